@@ -1,0 +1,192 @@
+"""The GPT, as a list of pipeline layers.
+
+What flows between layers (and between pipeline stages) is documented here, once:
+
+    batch for the first stage   (tokens (b, s) int64, position_ids (b, s) int64)
+    batch for the last stage    (labels (b, s) int64, loss_mask (b, s) float)
+    word embedding (tied)       -> (word_embeddings (b, s, h), position_ids (b, s))
+    PositionEmbedding           -> hidden (b, s, h)
+    TransformerLayer x L        -> hidden (b, s, h)        <- the only tensor sent between stages
+    FinalLayerNorm              -> hidden (b, s, h)
+    output head (tied)          -> logits (b, s, V/R)       this rank's vocabulary slice
+    loss_fn(logits, (labels, loss_mask)) -> scalar: masked mean over the micro-batch's tokens
+
+Every layer is built from (ModelConfig, ParallelContext, seed, layer_number) and initialises itself (model/init.py),
+so a stage holds exactly its part of the unsplit model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.init import normal_sharded_, parameter_seed
+from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from model.parallel import ParallelContext
+
+EMBEDDING_LAYER = 0  # layer_number of the embeddings in seeds; blocks are 1..L, the final norm L + 1
+
+
+class WordEmbedding(VocabParallelEmbedding):
+    """The word embedding, shared (tied) by the first stage's input and the last stage's output head."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__(config.padded_vocab_size(ctx.tensor_parallel_size), config.hidden_size, ctx,
+                         vocab_size=config.vocab_size, init_std=config.init_method_std,
+                         seed=parameter_seed(seed, EMBEDDING_LAYER, "word_embeddings"))
+
+
+def embed_tokens(embedding: WordEmbedding, inputs: tuple[torch.Tensor, torch.Tensor]):
+    tokens, position_ids = inputs  # (b, s), (b, s)
+    return embedding(tokens), position_ids
+
+
+def output_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    return embedding.logits(hidden)  # (b, s, V/R)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds the learned absolute position embedding (replicated on every TP rank), then dropout."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size))
+        normal_sharded_(self.weight, config.init_method_std, parameter_seed(seed, EMBEDDING_LAYER, "position"))
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        word_embeddings, position_ids = inputs  # (b, s, h), (b, s)
+        return self.dropout(word_embeddings + F.embedding(position_ids, self.weight))  # (b, s, h)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention over this rank's heads: fused QKV column-parallel, output row-parallel.
+
+    The QKV output rows are laid out per head, [heads, 3, head_dim], so a contiguous slice of rows is a set of
+    whole heads with their q, k and v.
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.heads = config.num_attention_heads // ctx.tensor_parallel_size
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_dropout
+        self.qkv = ColumnParallelLinear(h, 3 * h, ctx, init_std=config.init_method_std,
+                                        seed=parameter_seed(seed, layer_number, "attention.qkv"))
+        self.dense = RowParallelLinear(h, h, ctx, init_std=config.output_layer_init_std,
+                                       seed=parameter_seed(seed, layer_number, "attention.dense"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim)  # (b, s, nh/R, 3, d)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (b, nh/R, s, d)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 dropout_p=self.dropout if self.training else 0.0)
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/R)
+        return self.dense(context)  # (b, s, h)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ctx,
+                                        init_std=config.init_method_std, seed=parameter_seed(seed, layer_number, "mlp.fc1"))
+        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ctx,
+                                     init_std=config.output_layer_init_std,
+                                     seed=parameter_seed(seed, layer_number, "mlp.fc2"))
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))  # (b, s, ffn/R) inside
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attention = SelfAttention(config, ctx, seed, layer_number)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.mlp = MLP(config, ctx, seed, layer_number)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x)))  # (b, s, h)
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class FinalLayerNorm(nn.LayerNorm):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> list:
+    """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed, tied_weight_attr="weight")
+    return [
+        embedding(forward_fn=embed_tokens),
+        LayerSpec(PositionEmbedding, config, ctx, seed),
+        *[LayerSpec(TransformerLayer, config, ctx, seed, n) for n in range(1, config.num_layers + 1)],
+        LayerSpec(FinalLayerNorm, config, ctx, seed),
+        embedding(forward_fn=output_logits),
+    ]
+
+
+def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Masked mean of the vocab-parallel cross-entropy over the micro-batch's tokens."""
+    targets, loss_mask = labels  # (b, s), (b, s)
+    vocab_start = ctx.tensor_parallel_rank * logits.shape[-1]
+    losses = vocab_parallel_cross_entropy(logits, targets, ctx.tensor_parallel_group, vocab_start)  # (b, s) fp32
+    loss_mask = loss_mask.float()
+    return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str):
+    """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it)."""
+    from deepspeed.pipe import PipelineModule
+
+    config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size)
+    return PipelineModule(
+        layers=gpt_layer_specs(config, ctx, seed),
+        topology=ctx.topology,
+        loss_fn=partial(gpt_loss, ctx),
+        partition_method=partition_method,
+        activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
+        activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+        checkpointable_layers=["TransformerLayer"],
+    )
+
+
+class GPT(nn.Module):
+    """The same layers run in sequence in one process: the unsplit reference, and the model the HF export mirrors.
+
+    With a TP context it is one tensor-parallel rank of the full depth (no pipeline).
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None, seed: int = 1234) -> None:
+        super().__init__()
+        self.ctx = ctx or ParallelContext()
+        self.word_embeddings = WordEmbedding(config, self.ctx, seed)
+        self.position_embedding = PositionEmbedding(config, self.ctx, seed)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n) for n in range(1, config.num_layers + 1))
+        self.final_norm = FinalLayerNorm(config, self.ctx, seed)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.position_embedding(embed_tokens(self.word_embeddings, (tokens, position_ids)))
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return output_logits(self.word_embeddings, self.final_norm(hidden))  # (b, s, V/R)
+
+    def loss(self, tokens, position_ids, labels, loss_mask) -> torch.Tensor:
+        return gpt_loss(self.ctx, self(tokens, position_ids), (labels, loss_mask))

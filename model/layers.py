@@ -1,0 +1,180 @@
+"""Megatron-style tensor-parallel layers: where the tensors are sharded.
+
+With R = tensor-parallel size and r this rank:
+
+    layer                    weight shard        bias shard      input               output
+    VocabParallelEmbedding   [V/R, h]  rows      -               ids (b, s)          (b, s, h) replicated
+    ColumnParallelLinear     [N/R, K]  rows      [N/R]           (b, s, K) replic.   (b, s, N/R) sharded
+    RowParallelLinear        [N, K/R]  columns   [N] replicated  (b, s, K/R) sharded (b, s, N) replicated
+    vocab_parallel_cross_entropy                                 logits (b, s, V/R)  loss (b, s) replicated
+
+Every sharded parameter carries ``tensor_model_parallel = True`` (with Megatron's partition_dim/stride): DeepSpeed's
+ZeRO gradient norm counts such a parameter on every TP rank and a replicated one on TP rank 0 only; without the
+attribute the clipped norm is silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.init import normal_sharded_
+from model.parallel import ParallelContext
+from model.primitives import (
+    copy_to_tensor_parallel_region,
+    group_size,
+    reduce_from_tensor_parallel_region,
+)
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; rank r holds ids [r V/R, (r+1) V/R).
+
+    ``vocab_size`` is the tokenizer's real vocabulary; rows from there up to ``num_embeddings`` are padding. Used as
+    the output head too (tied), where the logits of the padding rows are -inf: padded ids never get probability.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ParallelContext, *, vocab_size: int,
+                 init_std: float, seed: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.vocab_size = num_embeddings, embedding_dim, vocab_size
+        self.group = ctx.tensor_parallel_group
+        rows = _divide(num_embeddings, ctx.tensor_parallel_size, "padded vocabulary")
+        self.vocab_start = ctx.tensor_parallel_rank * rows
+        self.vocab_end = self.vocab_start + rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
+        mark_tensor_parallel(self.weight, partition_dim=0)
+        normal_sharded_(self.weight, init_std, seed, shard_dim=0, shard_offset=self.vocab_start)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (b, s): ids another rank owns
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        embedded = F.embedding(local_ids, self.weight)  # (b, s, h), partial
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(embedded, self.group)  # (b, s, h), replicated
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output head: (b, s, h) replicated -> (b, s, V/R) logits of this rank's vocabulary slice."""
+        hidden = copy_to_tensor_parallel_region(hidden, self.group)
+        logits = F.linear(hidden, self.weight)  # (b, s, V/R)
+        padded = self.vocab_end - max(self.vocab_size, self.vocab_start)
+        if padded > 0:
+            logits = torch.cat([logits[..., :-padded], torch.full_like(logits[..., -padded:], float("-inf"))], -1)
+        return logits
+
+    def extra_repr(self) -> str:
+        return (f"vocab rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings} "
+                f"(real vocabulary {self.vocab_size}), dim {self.embedding_dim}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A [N, K] split by output rows: rank r computes output features [r N/R, (r+1) N/R)."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, init_std: float, seed: int,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group = ctx.tensor_parallel_group
+        rows = _divide(out_features, ctx.tensor_parallel_size, "output features")
+        self.row_start = ctx.tensor_parallel_rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, in_features))
+        mark_tensor_parallel(self.weight, partition_dim=0)
+        normal_sharded_(self.weight, init_std, seed, shard_dim=0, shard_offset=self.row_start)
+        self.bias = nn.Parameter(torch.zeros(rows)) if bias else None
+        if self.bias is not None:
+            mark_tensor_parallel(self.bias, partition_dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(x, self.group)  # (b, s, K) replicated; grads summed over TP
+        return F.linear(x, self.weight, self.bias)  # (b, s, N/R)
+
+    def extra_repr(self) -> str:
+        return (f"in {self.in_features}, out rows [{self.row_start}, {self.row_start + self.weight.shape[0]}) "
+                f"of {self.out_features}, bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A [N, K] split by input columns: rank r holds A[:, r K/R:(r+1) K/R] and a sharded input.
+
+    The partial products are summed across TP, then the (replicated) bias is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, init_std: float, seed: int,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group = ctx.tensor_parallel_group
+        columns = _divide(in_features, ctx.tensor_parallel_size, "input features")
+        self.column_start = ctx.tensor_parallel_rank * columns
+        self.weight = nn.Parameter(torch.empty(out_features, columns))
+        mark_tensor_parallel(self.weight, partition_dim=1)
+        normal_sharded_(self.weight, init_std, seed, shard_dim=1, shard_offset=self.column_start)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (b, s, N), this rank's share of the sum over K
+        y = reduce_from_tensor_parallel_region(partial, self.group)  # (b, s, N) replicated
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in columns [{self.column_start}, {self.column_start + self.weight.shape[1]}) of {self.in_features}, "
+                f"out {self.out_features}, bias={self.bias is not None} (added once, after the reduce)")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary: three all-reduces of (b, s) tensors, never the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, ignore_index):
+        logits = logits.float()  # (b, s, V/R)
+        local_max = logits.max(dim=-1).values
+        if group_size(group) > 1:
+            torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)  # (b, s, V/R), global max subtracted for stability
+
+        ignored = labels == ignore_index  # (b, s)
+        local_labels = labels - vocab_start
+        mine = (local_labels >= 0) & (local_labels < logits.shape[-1]) & ~ignored
+        local_labels = local_labels.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+
+        exp = shifted.exp_()  # reuse the buffer: (b, s, V/R)
+        sum_exp = exp.sum(dim=-1)
+        if group_size(group) > 1:
+            torch.distributed.all_reduce(target_logit, group=group)
+            torch.distributed.all_reduce(sum_exp, group=group)
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)  # (b, s)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, mine, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_labels, mine, ignored = ctx.saved_tensors
+        grad = softmax.clone()  # d loss / d logits = softmax - one_hot(label)
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (b, s) from this rank's logits slice (b, s, V/R) starting at global id ``vocab_start``.
+
+    Equals F.cross_entropy(gathered_logits, labels, reduction="none", ignore_index=ignore_index), in fp32.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, ignore_index)

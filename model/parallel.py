@@ -1,0 +1,117 @@
+"""The explicit parallel context: sizes, ranks and process groups of the tensor x pipeline x data split.
+
+Built once per process on DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the model axis,
+tensor parallelism, varies fastest, so TP ranks are neighbours on a node) and passed to every layer that shards.
+Nothing here is a module global.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from model.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits in the TP x PP x DP grid.
+
+    ``tensor_parallel_group`` / ``data_parallel_group`` are None when no process group exists: a single process,
+    or a meta-device build of one rank of a large run (which runs no forward pass).
+    """
+
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    tensor_parallel_group: Any = None
+    data_parallel_group: Any = None
+    topology: Any = None
+
+    def __post_init__(self) -> None:
+        for axis in ("tensor", "pipeline", "data"):
+            size = getattr(self, f"{axis}_parallel_size")
+            rank = getattr(self, f"{axis}_parallel_rank")
+            if not 0 <= rank < size:
+                raise ValueError(f"{axis}_parallel_rank {rank} is outside [0, {size})")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
+
+    def describe(self) -> str:
+        return (f"TP {self.tensor_parallel_rank}/{self.tensor_parallel_size} "
+                f"PP {self.pipeline_parallel_rank}/{self.pipeline_parallel_size} "
+                f"DP {self.data_parallel_rank}/{self.data_parallel_size}")
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU, no code change.
+
+    The launcher (deepspeed, torchrun, or a test's spawn helper) provides RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*.
+    """
+    import datetime
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed compiles a shared-memory all-reduce on first use on CPU (30 s); gloo alone is enough for the
+        # CPU runs of this project (tests and demos), so skip the compile.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
+    """Create the TP and DP process groups of this world (collective: every rank must call it)."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    world_size = dist.get_world_size()
+    dp_size = parallel.data_parallel_size(world_size)
+    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_parallel_size,
+                                             num_mp=parallel.tensor_parallel_size, num_dp=dp_size)
+    rank = dist.get_rank()
+    tp_group = _my_group(topology.get_axis_comm_lists("model"), rank)
+    dp_group = _my_group(topology.get_axis_comm_lists("data"), rank)
+    coord = topology.get_coord(rank)
+    return ParallelContext(tensor_parallel_size=parallel.tensor_parallel_size, tensor_parallel_rank=coord.model,
+                           pipeline_parallel_size=parallel.pipeline_parallel_size, pipeline_parallel_rank=coord.pipe,
+                           data_parallel_size=dp_size, data_parallel_rank=coord.data,
+                           tensor_parallel_group=tp_group, data_parallel_group=dp_group, topology=topology)
+
+
+def _my_group(rank_lists: list[list[int]], rank: int) -> Any:
+    """new_group is collective: every rank creates every group, and keeps the one it belongs to.
+
+    An axis of size 1 gets no group (None): the primitives are then identities.
+    """
+    mine = None
+    for ranks in rank_lists:
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))

@@ -1,0 +1,86 @@
+"""The one spawn helper of the test suite: run a function on N CPU processes joined by gloo.
+
+``run_distributed(world_size, fn, *args)`` starts ``world_size`` fresh processes (spawn), sets the variables a
+launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) plus OMP_NUM_THREADS=1, initialises torch.distributed
+through DeepSpeed (gloo on CPU), calls ``fn(*args)`` on every rank, ends with a barrier and
+``destroy_process_group()``, and returns the list of each rank's return value (anything torch.save can write).
+A failure on any rank fails the caller with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(launcher_environment(rank, world_size, port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from model.parallel import init_distributed
+
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        init_distributed(timeout_minutes=5)
+        result = fn(*args)
+        dist.barrier()
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: int = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """fn must be importable (a module-level function) so that spawned processes can find it."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+                                     join=False, start_method="spawn")
+        errors = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=2):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"distributed run did not finish in {timeout_s} s")
+        except Exception as exc:  # a rank died: report every rank's traceback that was saved
+            errors.append(str(exc))
+        results = []
+        for rank in range(world_size):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if not path.exists():
+                errors.append(f"rank {rank} wrote no result")
+                continue
+            saved = torch.load(path, weights_only=True)
+            if not saved["ok"]:
+                errors.append(f"rank {rank}:\n{saved['error']}")
+            results.append(saved.get("result"))
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results

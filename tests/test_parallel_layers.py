@@ -1,0 +1,144 @@
+"""Each tensor-parallel layer at TP 2 and TP 4 against the same layer unsharded (TP 1 is plain PyTorch).
+
+Every case returns, per rank, named tensors with their sharding ("replicated", or sharded along a dimension). The
+test reassembles the shards and compares with the unsharded layer built from the same seed.
+
+Exact comparisons (torch.equal), and why they are exact:
+- initial weights: each index along the sharded dimension draws from its own generator (model/init.py);
+- embedding forward and weight gradient: one rank contributes the row, the others add exact zeros;
+- replicated results agree bitwise across ranks: gloo's all-reduce hands every rank the same sum.
+Tolerant comparisons (rtol 1e-5, atol 1e-6 in fp32), and why:
+- any result of an all-reduce (row-parallel output, column-parallel input gradient, the cross-entropy): R partial
+  sums are added in another order than one long sum, which changes the last bits of an fp32 result;
+- column-parallel outputs and weight gradients: BLAS may block a matmul differently for N/R rows than for N.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import ParallelConfig
+from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from model.parallel import ParallelContext, build_parallel_context
+from model.primitives import gather_from_tensor_parallel_region, scatter_to_tensor_parallel_region
+from tests.distributed import run_distributed
+
+B, S, K, N, VOCAB, PADDED = 2, 5, 16, 24, 50, 64
+IGNORE = -100
+REPLICATED = "replicated"
+
+
+def _inputs(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _shard(full: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
+    return full.chunk(ctx.tensor_parallel_size, dim=dim)[ctx.tensor_parallel_rank].contiguous()
+
+
+def _column(ctx: ParallelContext) -> dict:
+    layer = ColumnParallelLinear(K, N, ctx, init_std=0.02, seed=11)
+    x = _inputs(B, S, K, seed=1).requires_grad_()
+    out = layer(x)
+    (out * _shard(_inputs(B, S, N, seed=2), ctx, -1)).sum().backward()
+    return {"weight": (layer.weight.detach(), 0, "exact"), "out": (out.detach(), -1, "close"),
+            "grad_x": (x.grad, REPLICATED, "close"), "grad_weight": (layer.weight.grad, 0, "close"),
+            "grad_bias": (layer.bias.grad, 0, "close")}
+
+
+def _row(ctx: ParallelContext) -> dict:
+    layer = RowParallelLinear(N, K, ctx, init_std=0.02, seed=12)
+    with torch.no_grad():
+        layer.bias.copy_(_inputs(K, seed=3))  # a non-zero bias: it must be added once, not R times
+    x = _shard(_inputs(B, S, N, seed=4), ctx, -1).requires_grad_()
+    out = layer(x)
+    (out * _inputs(B, S, K, seed=5)).sum().backward()
+    return {"weight": (layer.weight.detach(), 1, "exact"), "out": (out.detach(), REPLICATED, "close"),
+            "grad_x": (x.grad, -1, "close"), "grad_weight": (layer.weight.grad, 1, "close"),
+            "grad_bias": (layer.bias.grad, REPLICATED, "close")}
+
+
+def _embedding(ctx: ParallelContext) -> dict:
+    layer = VocabParallelEmbedding(PADDED, K, ctx, vocab_size=VOCAB, init_std=0.02, seed=13)
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(6))
+    out = layer(ids)
+    (out * _inputs(B, S, K, seed=7)).sum().backward()
+    return {"weight": (layer.weight.detach(), 0, "exact"), "out": (out.detach(), REPLICATED, "exact"),
+            "grad_weight": (layer.weight.grad, 0, "exact")}
+
+
+def _cross_entropy(ctx: ParallelContext) -> dict:
+    logits = _shard(_inputs(B, S, PADDED, seed=8) * 3, ctx, -1).requires_grad_()
+    labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+    labels[0, 1] = labels[1, 3] = IGNORE
+    vocab_start = ctx.tensor_parallel_rank * logits.shape[-1]
+    loss = vocab_parallel_cross_entropy(logits, labels, ctx.tensor_parallel_group, vocab_start, IGNORE)
+    (loss * _inputs(B, S, seed=10)).sum().backward()
+    return {"loss": (loss.detach(), REPLICATED, "close"), "grad_logits": (logits.grad, -1, "close")}
+
+
+def _scatter_gather(ctx: ParallelContext) -> dict:
+    x = _inputs(B, S, N, seed=14).requires_grad_()
+    local = scatter_to_tensor_parallel_region(x, ctx.tensor_parallel_group)
+    gathered = gather_from_tensor_parallel_region(local * 2.0, ctx.tensor_parallel_group)
+    (gathered * _inputs(B, S, N, seed=15)).sum().backward()
+    return {"local": (local.detach(), -1, "exact"), "gathered": (gathered.detach(), REPLICATED, "exact"),
+            "grad_x": (x.grad, REPLICATED, "exact")}
+
+
+CASES = {"column": _column, "row": _row, "embedding": _embedding, "cross_entropy": _cross_entropy,
+         "scatter_gather": _scatter_gather}
+
+
+def _all_cases(tensor_parallel_size: int) -> dict:
+    ctx = build_parallel_context(ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+    return {name: case(ctx) for name, case in CASES.items()}
+
+
+def _cross_entropy_reference() -> dict:
+    """F.cross_entropy on the full logits: the ground truth for the vocab-parallel loss."""
+    logits = (_inputs(B, S, PADDED, seed=8) * 3).requires_grad_()
+    labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+    labels[0, 1] = labels[1, 3] = IGNORE
+    loss = F.cross_entropy(logits.reshape(-1, PADDED), labels.reshape(-1), reduction="none",
+                           ignore_index=IGNORE).view(B, S)
+    (loss * _inputs(B, S, seed=10)).sum().backward()
+    return {"loss": loss.detach(), "grad_logits": logits.grad}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    refs = {name: {k: v[0] for k, v in case(ParallelContext()).items()} for name, case in CASES.items()}
+    refs["cross_entropy_torch"] = _cross_entropy_reference()
+    return refs
+
+
+def test_tp1_cross_entropy_equals_torch(references):
+    ours, torch_ref = references["cross_entropy"], references["cross_entropy_torch"]
+    torch.testing.assert_close(ours["loss"], torch_ref["loss"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours["grad_logits"], torch_ref["grad_logits"], rtol=1e-6, atol=1e-7)
+    assert torch.all(ours["loss"][0, 1] == 0) and torch.all(ours["grad_logits"][0, 1] == 0)  # ignored position
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4])
+def test_layers_match_unsharded(tensor_parallel_size, references):
+    per_rank = run_distributed(tensor_parallel_size, _all_cases, tensor_parallel_size)
+    references = {**references, "cross_entropy": references["cross_entropy_torch"]}
+    for case in CASES:
+        for name, (_, sharding, comparison) in per_rank[0][case].items():
+            shards = [rank_result[case][name][0] for rank_result in per_rank]
+            if sharding == REPLICATED:
+                for other in shards[1:]:
+                    assert torch.equal(shards[0], other), f"{case}.{name} differs across TP ranks"
+                assembled = shards[0]
+            else:
+                assembled = torch.cat(shards, dim=sharding)
+            expected = references[case][name]
+            where = f"{case}.{name} at TP {tensor_parallel_size}"
+            if comparison == "exact":
+                assert torch.equal(assembled, expected), where
+            else:
+                torch.testing.assert_close(assembled, expected, rtol=1e-5, atol=1e-6, msg=where)

@@ -1,0 +1,39 @@
+"""Build the DeepSpeed pipeline engine for a model and a parallel layout (collective: every rank calls it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig, ParallelConfig
+from model.gpt import build_pipeline_model
+from model.parallel import ParallelContext, build_parallel_context, init_distributed
+
+
+def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Megatron's rule: decay the matrices (and embeddings); never the biases and LayerNorm parameters (1-D)."""
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
+                 seed: int) -> tuple[Any, ParallelContext]:
+    """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
+
+    ``deepspeed_config`` holds DeepSpeed's own keys only. The torch RNG is seeded identically on every rank so that
+    dropout masks of replicated activations agree across tensor-parallel ranks.
+    """
+    import deepspeed
+
+    init_distributed()
+    context = build_parallel_context(parallel_config)
+    torch.manual_seed(seed)
+    module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method)
+    weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),
+                                           config=deepspeed_config)
+    return engine, context
