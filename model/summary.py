@@ -1,0 +1,145 @@
+"""Exact parameter counts of any rank of any model, built on the meta device (no memory), beside the formula.
+
+    python -m model.summary --preset 530b --tp 8 --pp 35
+
+Each stage is built from the same LayerSpec list and the same partitioning as the DeepSpeed PipelineModule of a
+real run, with the tensor shapes of one tensor-parallel rank, on ``torch.device("meta")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from model.config import PRESETS, ModelConfig, preset
+from model.parallel import ParallelContext
+
+
+@dataclass(frozen=True)
+class StageCount:
+    stage: int
+    layers: list[str]
+    """Class names of the stage's layers, in order."""
+    parameters_per_tp_rank: int
+    """Counted from the modules built on the meta device (one TP rank; every TP rank holds the same number)."""
+    analytic_per_tp_rank: int
+    """The same from the closed-form count."""
+    parameters_per_stage: int
+    """All TP ranks of the stage together, replicated parameters (LayerNorms, row-parallel biases, positions) once."""
+
+
+def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[int]:
+    """DeepSpeed's partition_balanced over the transformer blocks (the 'type:TransformerLayer' method)."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    from model.gpt import gpt_layer_specs
+
+    specs = gpt_layer_specs(config, ParallelContext(), seed=0)
+    weights = [1 if spec.typename.__name__ == "TransformerLayer" else 0 for spec in specs]
+    return partition_balanced(weights=weights, num_parts=pipeline_parallel_size)
+
+
+def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_size: int) -> int:
+    """Parameters of one layer on one TP rank, from the formula (h hidden, f ffn, V padded vocab, P positions)."""
+    h, f, tp = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size
+    if name == "WordEmbedding":
+        return config.padded_vocab_size(tp) // tp * h
+    if name == "PositionEmbedding":
+        return config.max_position_embeddings * h
+    if name == "FinalLayerNorm":
+        return 2 * h
+    if name == "TransformerLayer":
+        # 2 LayerNorms (4h), QKV (3h^2 + 3h)/tp, dense h^2/tp + h, fc1 (hf + f)/tp, fc2 hf/tp + h
+        return 4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h + (h * f + f) // tp + h * f // tp + h
+    raise ValueError(f"no formula for layer {name}")
+
+
+def analytic_total_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """The whole model, tied embedding counted once: V h + P h + L (4h^2 + 2hf + f + 9h) + 2h."""
+    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    vocab = config.padded_vocab_size(tensor_parallel_size)
+    return vocab * h + config.max_position_embeddings * h + layers * (4 * h * h + 2 * h * f + f + 9 * h) + 2 * h
+
+
+def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
+                 tensor_parallel_rank: int = 0) -> list[StageCount]:
+    """Build every stage of one TP rank on the meta device and count its parameters."""
+    from model.gpt import gpt_layer_specs
+
+    config.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    bounds = stage_boundaries(config, pipeline_parallel_size)
+    counts = []
+    for stage in range(pipeline_parallel_size):
+        ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
+                              pipeline_parallel_size=pipeline_parallel_size, pipeline_parallel_rank=stage)
+        specs = gpt_layer_specs(config, ctx, seed=0)[bounds[stage]:bounds[stage + 1]]
+        with torch.device("meta"):
+            modules = [spec.build() for spec in specs]
+        assert all(p.is_meta for m in modules for p in m.parameters())
+        names = [type(m).__name__ for m in modules]
+        parameters = [p for m in modules for p in m.parameters()]
+        counts.append(StageCount(
+            stage=stage, layers=names,
+            parameters_per_tp_rank=sum(p.numel() for p in parameters),
+            analytic_per_tp_rank=sum(analytic_layer_parameters(config, n, tensor_parallel_size) for n in names),
+            parameters_per_stage=sum(p.numel() * (tensor_parallel_size if getattr(p, "tensor_model_parallel", False)
+                                                  else 1) for p in parameters)))
+    return counts
+
+
+def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_parallel_size: int) -> int:
+    """The model's parameters from the stages' modules: the tied embedding (first and last stage) counted once."""
+    total = sum(c.parameters_per_stage for c in counts)
+    if len(counts) > 1:
+        total -= config.padded_vocab_size(tensor_parallel_size) * config.hidden_size
+    return total
+
+
+def format_summary(config: ModelConfig, counts: list[StageCount], tensor_parallel_size: int) -> str:
+    lines = [f"{'stage':>5}  {'layers':<46} {'params / TP rank':>18} {'analytic':>18}  match"]
+    for c in counts:
+        layers = _compress(c.layers)
+        ok = "yes" if c.parameters_per_tp_rank == c.analytic_per_tp_rank else "NO"
+        lines.append(f"{c.stage:>5}  {layers:<46} {c.parameters_per_tp_rank:>18,} {c.analytic_per_tp_rank:>18,}  {ok}")
+    total = total_from_stages(counts, config, tensor_parallel_size)
+    analytic = analytic_total_parameters(config, tensor_parallel_size)
+    h, layers = config.hidden_size, config.num_layers
+    lines += [
+        "",
+        f"total (one replica, tied embedding once): {total:,} from the modules, {analytic:,} analytic "
+        f"({'equal' if total == analytic else 'DIFFERENT'})",
+        f"transformer blocks 12 l h^2 = {12 * layers * h * h:,}; padded vocabulary "
+        f"{config.padded_vocab_size(tensor_parallel_size):,} (from {config.vocab_size:,})",
+        f"largest rank: {max(c.parameters_per_tp_rank for c in counts):,} parameters",
+    ]
+    return "\n".join(lines)
+
+
+def _compress(names: list[str]) -> str:
+    """['TransformerLayer', 'TransformerLayer', 'FinalLayerNorm'] -> 'TransformerLayer x2, FinalLayerNorm'."""
+    groups: list[list] = []
+    for name in names:
+        if groups and groups[-1][0] == name:
+            groups[-1][1] += 1
+        else:
+            groups.append([name, 1])
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="530b", help="model shape (default 530b)")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    parser.add_argument("--pp", type=int, default=35, help="pipeline-parallel size (default 35)")
+    args = parser.parse_args(argv)
+    config = preset(args.preset)
+    counts = count_stages(config, args.tp, args.pp)
+    print(f"{args.preset}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
+          f"TP {args.tp} x PP {args.pp} (built on the meta device)\n")
+    print(format_summary(config, counts, args.tp))
+
+
+if __name__ == "__main__":
+    main()

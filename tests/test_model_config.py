@@ -1,0 +1,112 @@
+"""Model configuration, initialisation and the meta-device parameter count (single process, no DeepSpeed engine)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from model.config import ModelConfig, ParallelConfig, preset
+from model.gpt import GPT
+from model.parallel import ParallelContext
+from model.summary import analytic_total_parameters, count_stages, total_from_stages
+
+
+def test_530b_preset_is_the_recipe():
+    config = preset("530b")
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads) == (105, 20480, 128)
+    assert (config.seq_length, config.head_dim, config.ffn_hidden_size) == (2048, 160, 81920)
+    assert config.padded_vocab_size(8) == 51200 and config.padded_vocab_size(1) == 50304
+    assert config.init_method_std == pytest.approx(math.sqrt(1 / (3 * 20480))) and round(config.init_method_std, 4) == 0.004
+    assert config.output_layer_init_std == pytest.approx(config.init_method_std / math.sqrt(210))
+    config.check_parallel(8, 35)
+
+
+@pytest.mark.parametrize("fields, parallel, message", [
+    (dict(num_attention_heads=2), (4, 1), "num_attention_heads (2) is not divisible by parallelism.tensor_parallel_size (4)"),
+    (dict(num_layers=5), (1, 2), "model.num_layers (5) cannot be split evenly over parallelism.pipeline_parallel_size (2)"),
+    (dict(hidden_size=66), None, "model.hidden_size (66) is not divisible by model.num_attention_heads (4)"),
+    (dict(seq_length=128, max_position_embeddings=64), None, "longer than model.max_position_embeddings"),
+    (dict(num_layers=0), None, "model.num_layers must be a positive integer"),
+    (dict(hidden_dropout=1.0), None, "model.hidden_dropout must be in [0, 1)"),
+    (dict(precision="fp8"), None, "model.precision must be one of"),
+    (dict(activation="relu"), None, "model.activation must be one of"),
+    (dict(ffn_hidden_size=130), (4, 1), "model.ffn_hidden_size (130) is not divisible"),
+    (dict(init_method_std=-0.02), None, "model.init_method_std must be positive"),
+])
+def test_invalid_model_configs_name_the_field(fields, parallel, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config = preset("tiny", **fields)
+        if parallel:
+            config.check_parallel(*parallel)
+
+
+def test_world_size_must_divide():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor_parallel_size \(2\) x pipeline_parallel_size \(2\) = 4"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).data_parallel_size(6)
+    assert ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=35).data_parallel_size(4480) == 16
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4])
+def test_shards_are_slices_of_the_unsharded_init(tensor_parallel_size):
+    """Same seed, any TP: each rank's tensors are exactly its slice of the TP 1 model (QKV stays per head)."""
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=300)
+    full = dict(GPT(config, seed=7).named_parameters())
+    shards = [dict(GPT(config, ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=r),
+                       seed=7).named_parameters()) for r in range(tensor_parallel_size)]
+    for name, reference in full.items():
+        parts = [shard[name].detach() for shard in shards]
+        sharded = getattr(shards[0][name], "tensor_model_parallel", False)
+        if not sharded:
+            assert all(torch.equal(p, reference) for p in parts), name
+            continue
+        assembled = torch.cat(parts, dim=shards[0][name].partition_dim)
+        if name == "word_embeddings.weight":  # the padding grows with TP (128 x TP); the real rows are identical
+            assembled, reference = assembled[:config.vocab_size], reference[:config.vocab_size]
+        assert torch.equal(assembled, reference), name
+
+
+def test_init_statistics():
+    config = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=8, vocab_size=1000)
+    model = GPT(config, seed=3)
+    qkv = model.layers[0].attention.qkv.weight
+    assert qkv.std().item() == pytest.approx(math.sqrt(1 / (3 * 256)), rel=0.02)
+    dense = model.layers[0].attention.dense.weight
+    assert dense.std().item() == pytest.approx(math.sqrt(1 / (3 * 256)) / math.sqrt(8), rel=0.03)
+    assert torch.all(model.layers[0].attention.qkv.bias == 0) and torch.all(model.layers[0].ln1.weight == 1)
+    assert not torch.equal(model.layers[0].mlp.fc1.weight, model.layers[1].mlp.fc1.weight)
+
+
+def test_padded_vocabulary_gets_no_probability():
+    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=4, vocab_size=100)
+    logits = GPT(config, seed=1)(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None])
+    assert logits.shape[-1] == 128 and torch.all(logits[..., 100:] == float("-inf"))
+    assert torch.all(torch.isfinite(logits[..., :100]))
+
+
+def test_530b_meta_count_equals_analytic():
+    config = preset("530b")
+    rss_before = psutil.Process().memory_info().rss
+    counts = count_stages(config, tensor_parallel_size=8, pipeline_parallel_size=35)
+    assert psutil.Process().memory_info().rss - rss_before < 300 * 2**20  # 2 GB per rank would show
+    assert len(counts) == 35 and all(c.parameters_per_tp_rank == c.analytic_per_tp_rank for c in counts)
+    assert counts[0].layers == ["WordEmbedding", "PositionEmbedding"] + ["TransformerLayer"] * 3
+    assert counts[-1].layers == ["TransformerLayer"] * 3 + ["FinalLayerNorm", "WordEmbedding"]
+    # by hand: V h + P h + L (12 h^2 + 13 h) + 2 h with V = 51200, P = 2048, L = 105, h = 20480
+    expected = 51200 * 20480 + 2048 * 20480 + 105 * (12 * 20480**2 + 13 * 20480) + 2 * 20480
+    assert expected == 529_600_819_200
+    assert analytic_total_parameters(config, 8) == expected == total_from_stages(counts, config, 8)
+    # one TP rank of a middle stage: 3 blocks of (12 h^2 + 7 h)/8 sharded + 6 h replicated
+    assert counts[1].parameters_per_tp_rank == 3 * ((12 * 20480**2 + 7 * 20480) // 8 + 6 * 20480) == 1_887_859_200
+
+
+def test_summary_command_prints_counts():
+    out = subprocess.run([sys.executable, "-m", "model.summary", "--preset", "530b", "--tp", "8", "--pp", "35"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "529,600,819,200 from the modules, 529,600,819,200 analytic (equal)" in out
+    assert out.count(" yes") == 35

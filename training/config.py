@@ -1,0 +1,250 @@
+"""One JSON per run: DeepSpeed's own keys, plus this project's blocks, parsed into typed, validated objects.
+
+    {
+      "train_batch_size": 1920, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, ...,
+      "model":       {"preset": "530b", ...ModelConfig fields override the preset...},
+      "parallelism": {"tensor_parallel_size": 8, "pipeline_parallel_size": 35},
+      "schedule":    {"lr": 5e-5, "min_lr_ratio": 0.1, "warmup_tokens": 1e9, "decay_tokens": 340e9,
+                      "train_tokens": 270e9, "batch": {"start": 32, "increment": 32, "ramp_tokens": 12e9}},
+      "data":        {"blend": [[1.0, "path/prefix_text_document"]], "split": "969,30,1", ...},
+      "training":    {"seed": 1234, "log_interval": 1, "save": "checkpoints/530b", ...}
+    }
+
+DeepSpeed receives only its own keys (``RunConfig.deepspeed``). Any field can be overridden from the command line
+with ``--set block.field=value`` (the value is read as JSON when it parses, e.g. 1e6, true, [1, 2]; else as a
+string). The full batch is DeepSpeed's train_batch_size; the ramp ends there. All validation that needs no process
+group happens here, before anything is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import ModelConfig, ParallelConfig, preset
+from training.schedules import BatchRamp, LearningRateSchedule
+
+PROJECT_BLOCKS = ("model", "parallelism", "schedule", "data", "training")
+# DeepSpeed keys this project sets itself, or that would fight its schedules.
+FORBIDDEN_DEEPSPEED_KEYS = {
+    "scheduler": "the learning rate follows schedule.* in tokens; remove the DeepSpeed scheduler block",
+    "gradient_accumulation_steps": "it follows from the global batch; set train_batch_size and "
+                                   "train_micro_batch_size_per_gpu only",
+}
+
+
+@dataclass
+class ScheduleConfig:
+    lr: float
+    """Peak learning rate."""
+    warmup_tokens: float
+    """Linear warmup, in tokens."""
+    decay_tokens: float
+    """Cosine decay after warmup, in tokens, to min_lr_ratio x lr; constant afterwards."""
+    train_tokens: float
+    """Train until this many tokens are consumed."""
+    min_lr_ratio: float = 0.1
+    """The minimum learning rate as a fraction of the peak."""
+    batch: dict[str, Any] = field(default_factory=dict)
+    """The global batch ramp: start, increment, ramp_tokens (the end is train_batch_size). Empty: no ramp."""
+
+    def __post_init__(self) -> None:
+        if self.train_tokens <= 0:
+            raise ValueError(f"schedule.train_tokens must be positive, got {self.train_tokens}")
+        unknown = set(self.batch) - {"type", "start", "increment", "ramp_tokens"}
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in schedule.batch: use start, increment, ramp_tokens")
+        if self.batch.get("type", "ramp") != "ramp":
+            raise ValueError(f"schedule.batch.type {self.batch['type']!r} is not known: use \"ramp\"")
+
+
+@dataclass
+class DataConfig:
+    blend: list[list[Any]] = field(default_factory=list)
+    """[[weight, prefix], ...]: indexed datasets (prefix.bin / prefix.idx) and their sampling weights."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions of the documents."""
+    cache_dir: str | None = None
+    """Where the sample index arrays are cached (default: beside each dataset)."""
+    eod_mask_loss: bool = False
+    """Do not train on predicting the end-of-document token."""
+
+    def __post_init__(self) -> None:
+        for i, entry in enumerate(self.blend):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (int, float))
+                    and entry[0] > 0 and isinstance(entry[1], str)):
+                raise ValueError(f"data.blend[{i}] must be [positive weight, \"path/prefix\"], got {entry!r}")
+
+
+@dataclass
+class TrainingConfig:
+    seed: int = 1234
+    """Seeds the model init (identical for every TP/PP split) and the data order."""
+    log_interval: int = 10
+    """Log every N steps (console and TensorBoard)."""
+    eval_interval: int = 0
+    """Evaluate on the validation split every N steps (0: never, except at the end if eval_iters > 0)."""
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+    save: str | None = None
+    """Checkpoint directory; the run resumes from its latest complete checkpoint by itself."""
+    save_interval: int = 0
+    """Checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (default: <save>/tensorboard when save is set)."""
+    peak_tflops_per_gpu: float | None = None
+    """For MFU: the GPU's dense peak (bf16/fp16), TFLOP/s. Default: detected from the GPU name, none on CPU."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total, even if train_tokens are not reached (for tests)."""
+
+    def __post_init__(self) -> None:
+        for name in ("log_interval",):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"training.{name} must be positive, got {getattr(self, name)}")
+        for name in ("eval_interval", "eval_iters", "save_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        if self.save_interval and not self.save:
+            raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallelism: ParallelConfig
+    schedule: ScheduleConfig
+    data: DataConfig
+    training: TrainingConfig
+    deepspeed: dict[str, Any]
+    """DeepSpeed's own keys, exactly as passed to deepspeed.initialize."""
+    source: str = "<dict>"
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.deepspeed["train_micro_batch_size_per_gpu"])
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.deepspeed["train_batch_size"])
+
+    def learning_rate_schedule(self) -> LearningRateSchedule:
+        s = self.schedule
+        return LearningRateSchedule(peak=s.lr, warmup_tokens=s.warmup_tokens, decay_tokens=s.decay_tokens,
+                                    min_lr_ratio=s.min_lr_ratio)
+
+    def batch_schedule(self) -> BatchRamp:
+        b = self.schedule.batch
+        end = self.global_batch_size
+        return BatchRamp(start=int(b.get("start", end)), increment=int(b.get("increment", end)), end=end,
+                         ramp_tokens=float(b.get("ramp_tokens", 0)))
+
+    def check_world(self, world_size: int) -> int:
+        """Validate against the launched world; return the data-parallel size."""
+        dp = self.parallelism.data_parallel_size(world_size)
+        self.batch_schedule().check_divisible(self.micro_batch_size, dp)
+        return dp
+
+    def to_dict(self) -> dict[str, Any]:
+        blocks = {name: dataclasses.asdict(getattr(self, name)) for name in PROJECT_BLOCKS}
+        return {**copy.deepcopy(self.deepspeed), **blocks}
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """--set a.b.c=value, value read as JSON when it parses."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected block.field=value, e.g. schedule.warmup_tokens=1e6")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is not a block")
+        node[leaf] = value
+    return raw
+
+
+def _build(cls, block: str, values: dict[str, Any]):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in block \"{block}\": known keys are {sorted(known)}")
+    return cls(**values)
+
+
+def _model_config(values: dict[str, Any]) -> ModelConfig:
+    values = dict(values)
+    name = values.pop("preset", None)
+    if name is None:
+        return _build(ModelConfig, "model", values)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in block \"model\": known keys are {sorted(known) + ['preset']}")
+    return preset(name, **values)
+
+
+def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate everything that can be validated without a process group."""
+    missing = [name for name in ("model", "schedule") if name not in raw]
+    if missing:
+        raise ValueError(f"{source}: missing block(s) {missing}")
+    deepspeed = {k: v for k, v in raw.items() if k not in PROJECT_BLOCKS}
+    for key, why in FORBIDDEN_DEEPSPEED_KEYS.items():
+        if key in deepspeed:
+            raise ValueError(f"{source}: DeepSpeed key \"{key}\" is not used here: {why}")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        if not isinstance(deepspeed.get(key), int) or deepspeed[key] <= 0:
+            raise ValueError(f"{source}: \"{key}\" must be a positive integer, got {deepspeed.get(key)!r}")
+    optimizer_params = deepspeed.get("optimizer", {}).get("params", {})
+    schedule_lr = raw["schedule"].get("lr")
+    if "lr" in optimizer_params and optimizer_params["lr"] != schedule_lr:
+        raise ValueError(f"{source}: optimizer.params.lr ({optimizer_params['lr']}) differs from schedule.lr "
+                         f"({schedule_lr}): the schedule sets the learning rate; remove optimizer.params.lr")
+    if "optimizer" in deepspeed and schedule_lr is not None:
+        deepspeed = {**deepspeed, "optimizer": {**deepspeed["optimizer"], "params": {**optimizer_params,
+                                                                                    "lr": schedule_lr}}}
+    model = _model_config(raw["model"])
+    config = RunConfig(model=model,
+                       parallelism=_build(ParallelConfig, "parallelism", raw.get("parallelism", {})),
+                       schedule=_build(ScheduleConfig, "schedule", raw["schedule"]),
+                       data=_build(DataConfig, "data", raw.get("data", {})),
+                       training=_build(TrainingConfig, "training", raw.get("training", {})),
+                       deepspeed=deepspeed, source=source)
+    config.model.check_parallel(config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size)
+    config.learning_rate_schedule()
+    config.batch_schedule()
+    _check_precision(config)
+    return config
+
+
+def _check_precision(config: RunConfig) -> None:
+    bf16 = config.deepspeed.get("bf16", {}).get("enabled", False)
+    fp16 = config.deepspeed.get("fp16", {}).get("enabled", False)
+    deepspeed_precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    if bf16 and fp16:
+        raise ValueError(f"{config.source}: bf16 and fp16 are both enabled: enable one")
+    if deepspeed_precision != config.model.precision:
+        raise ValueError(f"{config.source}: model.precision is {config.model.precision!r} but the DeepSpeed sections "
+                         f"enable {deepspeed_precision}: make them agree")
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    return parse_run_config(apply_overrides(raw, overrides or []), source=str(path))

@@ -1,0 +1,113 @@
+"""The recipe's schedules, counted in tokens (the batch size changes, so steps mean nothing).
+
+Learning rate
+    lr(t) = peak * t / warmup                                    for t < warmup
+          = min + (peak - min) * (1 + cos(pi * (t - warmup) / decay)) / 2     for warmup <= t < warmup + decay
+          = min                                                  afterwards,   min = min_lr_ratio * peak
+    Which t: a step's learning rate is lr(tokens consumed once this step's batch is consumed), i.e. the tokens
+    before the step plus this step's batch. The step that reaches the end of warmup trains at the peak, and the
+    first step does not waste its batch at lr 0. (Counting only the tokens before the step, as the public code
+    does, runs every step with the learning rate of the step before it.)
+
+Global batch size (the ramp)
+    batch(t) = min(end, start + increment * floor(t / tokens_per_increment)),
+    tokens_per_increment = ramp_tokens / ((end - start) / increment), t = tokens consumed before the step.
+    MT-NLG: 32 -> 1920 in 59 increments of 32 over 12e9 tokens, one increment per 203,389,830.5 tokens
+    (99,311.4 samples of 2048).
+
+Both are pure functions of the token count, so their "state" is that count, which the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    peak: float
+    """The learning rate at the end of warmup."""
+    warmup_tokens: float
+    """Linear warmup from 0 over these tokens."""
+    decay_tokens: float
+    """Cosine decay to the minimum over these tokens, after warmup; then constant."""
+    min_lr_ratio: float = 0.1
+    """The minimum as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        if self.peak <= 0:
+            raise ValueError(f"schedule.lr must be positive, got {self.peak}")
+        if self.warmup_tokens < 0:
+            raise ValueError(f"schedule.warmup_tokens must be >= 0, got {self.warmup_tokens}")
+        if self.decay_tokens <= 0:
+            raise ValueError(f"schedule.decay_tokens must be positive, got {self.decay_tokens}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    @property
+    def min_lr(self) -> float:
+        return self.peak * self.min_lr_ratio
+
+    def __call__(self, tokens: float) -> float:
+        if tokens < self.warmup_tokens:
+            return self.peak * tokens / self.warmup_tokens
+        progress = (tokens - self.warmup_tokens) / self.decay_tokens
+        if progress >= 1.0:
+            return self.min_lr
+        return self.min_lr + (self.peak - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    start: int
+    """Global batch (sequences) at token 0."""
+    increment: int
+    """Sequences added at each increment."""
+    end: int
+    """The full global batch (DeepSpeed's train_batch_size)."""
+    ramp_tokens: float
+    """Tokens over which the batch climbs from start to end; 0 disables the ramp."""
+
+    def __post_init__(self) -> None:
+        for name in ("start", "increment", "end"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"schedule.batch.{name} must be a positive integer, got {value!r}")
+        if self.start > self.end:
+            raise ValueError(f"schedule.batch.start ({self.start}) is larger than the full batch "
+                             f"train_batch_size ({self.end})")
+        if (self.end - self.start) % self.increment:
+            raise ValueError(f"the ramp from schedule.batch.start ({self.start}) to train_batch_size ({self.end}) is "
+                             f"not a whole number of schedule.batch.increment ({self.increment}) steps")
+        if self.ramp_tokens < 0:
+            raise ValueError(f"schedule.batch.ramp_tokens must be >= 0, got {self.ramp_tokens}")
+
+    @property
+    def num_increments(self) -> int:
+        return (self.end - self.start) // self.increment
+
+    @property
+    def tokens_per_increment(self) -> float:
+        return self.ramp_tokens / self.num_increments if self.num_increments else 0.0
+
+    def __call__(self, tokens: float) -> int:
+        if self.num_increments == 0 or self.ramp_tokens == 0 or tokens >= self.ramp_tokens:
+            return self.end
+        return min(self.end, self.start + self.increment * int(tokens // self.tokens_per_increment))
+
+    def sizes(self) -> list[int]:
+        """Every global batch size the ramp will use."""
+        return list(range(self.start, self.end + 1, self.increment)) if self.ramp_tokens else [self.end]
+
+    def check_divisible(self, micro_batch_size: int, data_parallel_size: int) -> None:
+        """Every batch of the ramp must split into whole micro-batches on every data-parallel rank."""
+        unit = micro_batch_size * data_parallel_size
+        bad = [size for size in self.sizes() if size % unit]
+        if bad:
+            shown = ", ".join(map(str, bad[:12])) + (f", ... ({len(bad)} sizes)" if len(bad) > 12 else "")
+            raise ValueError(
+                f"global batch sizes of the ramp are not multiples of micro-batch x data-parallel size = "
+                f"{micro_batch_size} x {data_parallel_size} = {unit}: {shown}. Choose schedule.batch.start and "
+                f"increment as multiples of {unit} (e.g. {unit * math.ceil(self.start / unit)}), or another "
+                f"data-parallel size")
