@@ -1,0 +1,9 @@
+"""Data: Megatron-compatible indexed datasets, tokenizers, GPT samples, blending, and the loader the model reads.
+
+- ``data.indexed_dataset``: the MMIDIDX v1 ``.bin``/``.idx`` writer and memory-mapped reader.
+- ``data.tokenizers``: GPT-2 BPE, SentencePiece and Hugging Face tokenizers behind one interface.
+- ``data.preprocess``: corpus -> indexed datasets (under ``tools/preprocess_data.py``).
+- ``data.gpt_dataset``: samples of seq_length + 1 tokens, splits, ``build_gpt_datasets`` from --data-path.
+- ``data.blended_dataset``: blending by weights within one sample of the exact proportions.
+- ``data.loader``: ``MicroBatchLoader``, micro-batches for one data-parallel rank, resumable.
+"""

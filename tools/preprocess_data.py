@@ -1,0 +1,73 @@
+"""Tokenise a corpus into Megatron indexed datasets: {output_prefix}_{key}_document.bin/.idx per --json-keys key.
+
+Flags are Megatron-LM's where the meaning is the same, so existing scripts keep working, e.g.
+
+    python tools/preprocess_data.py --input data/corpus/botchan.jsonl --output-prefix runs/data/botchan \\
+        --tokenizer-type GPT2BPETokenizer --append-eod --workers 2
+
+With the same tokenizer and --append-eod the output is the same bytes as Megatron's tool writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data.preprocess import INPUT_FORMATS, BadInputError, PreprocessConfig, preprocess
+from data.tokenizers import DEFAULT_MERGE_FILE, DEFAULT_VOCAB_FILE, TOKENIZER_TYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("input data")
+    data.add_argument("--input", required=True,
+                      help="JSONL file (one JSON object per line, .gz allowed), or a json/parquet/arrow file or a "
+                           "saved dataset directory read with `datasets`")
+    data.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                      help="auto: a directory is a saved dataset, .parquet/.arrow by suffix, anything else JSONL")
+    data.add_argument("--json-keys", nargs="+", default=["text"],
+                      help="keys to tokenise, one output dataset each (default: text)")
+    data.add_argument("--skip-bad-lines", action="store_true",
+                      help="skip lines that are malformed, lack a key, are not UTF-8 or have no tokens; they are "
+                           "counted and reported at the end (default: stop at the first, naming file and line)")
+    tokenization = parser.add_argument_group("tokenizer")
+    tokenization.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
+    tokenization.add_argument("--vocab-file", default=None, help=f"GPT-2 vocab.json (default: {DEFAULT_VOCAB_FILE})")
+    tokenization.add_argument("--merge-file", default=None, help=f"GPT-2 merges.txt (default: {DEFAULT_MERGE_FILE})")
+    tokenization.add_argument("--tokenizer-model", default=None,
+                              help="SentencePiece .model, or Hugging Face tokenizer.json or directory holding one")
+    tokenization.add_argument("--append-eod", action="store_true",
+                              help="append the end-of-document token to every document")
+    output = parser.add_argument_group("output data")
+    output.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
+    output.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
+                        help="accepted for old Megatron scripts; mmap (MMIDIDX) is the only format")
+    runtime = parser.add_argument_group("runtime")
+    runtime.add_argument("--workers", type=int, default=1,
+                         help="tokenising processes (multiprocessing.Pool); 1 tokenises in the main process")
+    runtime.add_argument("--batch-size", type=int, default=64, help="documents per task sent to a worker")
+    runtime.add_argument("--log-interval", type=int, default=1000,
+                         help="accepted for Megatron scripts; progress is the bar on stderr")
+    runtime.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = PreprocessConfig(
+        input=args.input, output_prefix=args.output_prefix, json_keys=tuple(args.json_keys), workers=args.workers,
+        append_eod=args.append_eod, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, skip_bad_lines=args.skip_bad_lines,
+        input_format=args.input_format, batch_size=args.batch_size, progress=not args.no_progress,
+    )
+    try:
+        report = preprocess(config)
+    except BadInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
