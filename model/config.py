@@ -153,7 +153,7 @@ class ParallelConfig:
 
 
 def _gpt2_model(**kwargs: Any) -> ModelConfig:
-    return ModelConfig(vocab_size=GPT2_VOCAB_SIZE, **kwargs)
+    return ModelConfig(**{"vocab_size": GPT2_VOCAB_SIZE, **kwargs})
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -32,17 +32,21 @@ EMBEDDING_LAYER = 0  # layer_number of the embeddings in seeds; blocks are 1..L,
 
 
 class WordEmbedding(VocabParallelEmbedding):
-    """The word embedding, shared (tied) by the first stage's input and the last stage's output head."""
+    """The word embedding, shared (tied) by the first stage's input and the last stage's output head.
+
+    Its forward is the input side. The first stage's copy is a real layer of the pipeline, so DeepSpeed saves and
+    loads it (layer_00); the last stage uses it through ``output_logits`` (a function DeepSpeed neither saves nor
+    loads) and receives the loaded weight from the first stage when DeepSpeed synchronises tied weights.
+    """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
         super().__init__(config.padded_vocab_size(ctx.tensor_parallel_size), config.hidden_size, ctx,
                          vocab_size=config.vocab_size, init_std=config.init_method_std,
                          seed=parameter_seed(seed, EMBEDDING_LAYER, "word_embeddings"))
 
-
-def embed_tokens(embedding: WordEmbedding, inputs: tuple[torch.Tensor, torch.Tensor]):
-    tokens, position_ids = inputs  # (b, s), (b, s)
-    return embedding(tokens), position_ids
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, position_ids = inputs  # (b, s), (b, s)
+        return super().forward(tokens), position_ids  # (b, s, h), (b, s)
 
 
 def output_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,7 +139,7 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> lis
 
     embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed, tied_weight_attr="weight")
     return [
-        embedding(forward_fn=embed_tokens),
+        embedding(),  # a module: saved as layer_00
         LayerSpec(PositionEmbedding, config, ctx, seed),
         *[LayerSpec(TransformerLayer, config, ctx, seed, n) for n in range(1, config.num_layers + 1)],
         LayerSpec(FinalLayerNorm, config, ctx, seed),
@@ -183,7 +187,7 @@ class GPT(nn.Module):
         self.final_norm = FinalLayerNorm(config, self.ctx, seed)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.position_embedding(embed_tokens(self.word_embeddings, (tokens, position_ids)))
+        hidden = self.position_embedding(self.word_embeddings((tokens, position_ids)))
         for layer in self.layers:
             hidden = layer(hidden)
         return output_logits(self.word_embeddings, self.final_norm(hidden))  # (b, s, V/R)

@@ -139,4 +139,8 @@ def test_bf16_trains_near_fp32(reference):
     losses = ranks[0]["losses"]
     assert losses[-1] < losses[0] - 0.5
     torch.testing.assert_close(losses, reference["losses"], rtol=0, atol=0.05)
+    # bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer (not the ZeRO one): its global norm must
+    # also count TP shards on every rank, replicated parameters and the tied embedding once. Step 1 shares the
+    # fp32 weights, so only bf16 rounding separates the norms (measured: 3e-3 relative).
+    assert abs(ranks[0]["norms"][0] - reference["norms"][0]) < 0.01 * reference["norms"][0]
     torch.testing.assert_close(ranks[0]["norms"], reference["norms"], rtol=0.05, atol=0.05)

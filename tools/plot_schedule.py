@@ -52,8 +52,9 @@ def plot(config: RunConfig, output: str, metrics: str | None = None) -> None:
     top.set_ylabel("learning rate")
     bottom.set_ylabel("global batch (sequences)")
     bottom.set_xlabel("tokens")
-    top.set_title(f"{config.source}: lr peak {s.lr:g}, warmup {s.warmup_tokens:.3g}, cosine to "
-                  f"{s.min_lr_ratio:g} x peak over {s.decay_tokens:.3g} tokens; batch {batch.start} -> {batch.end}")
+    top.set_title(f"{config.source}: lr peak {s.lr:g}, warmup {s.warmup_tokens:.3g} tokens, cosine to "
+                  f"{s.min_lr_ratio:g} x peak over {s.decay_tokens:.3g}\nglobal batch {batch.start} -> {batch.end} "
+                  f"by {batch.increment} over {batch.ramp_tokens:.3g} tokens", fontsize=10)
     figure.tight_layout()
     figure.savefig(output, dpi=110)
 

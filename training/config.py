@@ -72,6 +72,8 @@ class DataConfig:
     """Where the sample index arrays are cached (default: beside each dataset)."""
     eod_mask_loss: bool = False
     """Do not train on predicting the end-of-document token."""
+    eod_token_id: int = 50256
+    """The tokenizer's end-of-document id (GPT-2's <|endoftext|> by default); used by eod_mask_loss."""
 
     def __post_init__(self) -> None:
         for i, entry in enumerate(self.blend):
@@ -98,6 +100,9 @@ class TrainingConfig:
     """TensorBoard event files (default: <save>/tensorboard when save is set)."""
     peak_tflops_per_gpu: float | None = None
     """For MFU: the GPU's dense peak (bf16/fp16), TFLOP/s. Default: detected from the GPU name, none on CPU."""
+    init_from: str | None = None
+    """Initialise the weights from this checkpoint (e.g. one made by tools/convert_from_hf.py) with a fresh optimizer,
+    when the save directory holds no checkpoint yet. The schedules start at its hf_import.json start_tokens."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total, even if train_tokens are not reached (for tests)."""
 

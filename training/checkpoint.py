@@ -1,0 +1,113 @@
+"""Where checkpoints are written and read.
+
+A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
+optimizer shards) plus ``rng_state_rank<R>.pt`` per global rank, and the training state (step, consumed samples and
+tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names the newest COMPLETE checkpoint: it is
+written by rank 0 only after every rank has finished writing (a barrier), to a temporary file, fsynced, and renamed
+over the old one. A crash while writing leaves the previous ``latest`` in place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+def tag_for_step(step: int) -> str:
+    return f"global_step{step}"
+
+
+def read_latest(directory: str | Path) -> str | None:
+    path = Path(directory) / LATEST
+    if not path.exists():
+        return None
+    tag = path.read_text().strip()
+    if not tag or not (Path(directory) / tag).is_dir():
+        raise ValueError(f"{path} names checkpoint {tag!r}, which does not exist in {directory}: restore that "
+                         f"directory or point {LATEST} at a complete checkpoint")
+    return tag
+
+
+def write_latest(directory: str | Path, tag: str) -> None:
+    """Atomically point ``latest`` at ``tag``."""
+    directory = Path(directory)
+    temporary = directory / f".{LATEST}.tmp"
+    with open(temporary, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, directory / LATEST)
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any]) -> str:
+    """Collective: every rank writes its shards; ``latest`` moves only once all have finished."""
+    directory = Path(directory)
+    tag = tag_for_step(step)
+    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), directory / tag / f"rng_state_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_latest(directory, tag)
+    dist.barrier()
+    return tag
+
+
+def load_weights(engine: Any, directory: str | Path) -> int:
+    """Only the model weights of the latest checkpoint in ``directory``; returns the tokens that checkpoint had seen
+    (0 when it does not say)."""
+    tag = read_latest(directory)
+    if tag is None:
+        raise ValueError(f"{directory} holds no checkpoint (no {LATEST} file): give a checkpoint directory, e.g. the "
+                         f"--output of tools/convert_from_hf.py")
+    load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_module_only=True,
+                                                     load_optimizer_states=False, load_lr_scheduler_states=False)
+    if load_path is None:
+        raise ValueError(f"DeepSpeed could not load the weights of {Path(directory) / tag}")
+    return int((client_state or {}).get("train_state", {}).get("consumed_tokens", 0))
+
+
+def load_checkpoint(engine: Any, directory: str | Path) -> dict[str, Any] | None:
+    """Load the latest complete checkpoint into the engine; return its client_state, or None if there is none.
+
+    DeepSpeed reads its own files with torch.load(weights_only=False) (its optimizer states hold Python objects);
+    the files this project adds are read with weights_only=True.
+    """
+    tag = read_latest(directory)
+    if tag is None:
+        return None
+    load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=False)
+    if load_path is None:
+        raise ValueError(f"DeepSpeed could not load checkpoint {Path(directory) / tag}")
+    rng_file = Path(directory) / tag / f"rng_state_rank{dist.get_rank()}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return client_state

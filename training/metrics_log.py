@@ -1,0 +1,83 @@
+"""Metrics to the console, to TensorBoard and to ``<save>/metrics.jsonl`` (one JSON object per line), rank 0 only.
+
+The JSONL file is what tools/plot_schedule.py and the tests read back. After a resume, steps after the checkpoint
+may appear twice (once from the run that stopped, once from the resumed run): readers keep the last record of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from training.config import RunConfig
+
+CONSOLE_FIELDS = [
+    ("step", "step {}"), ("consumed_tokens", "tokens {:,}"), ("consumed_samples", "samples {:,}"),
+    ("global_batch", "batch {}"), ("micro_batches", "micro-batches {}"), ("lr", "lr {:.3e}"), ("loss", "loss {:.4f}"),
+    ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("skipped_steps", "skipped {}"),
+    ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
+    ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"),
+]
+
+
+def format_record(kind: str, record: dict[str, Any]) -> str:
+    parts = [fmt.format(record[key]) for key, fmt in CONSOLE_FIELDS if record.get(key) is not None]
+    if kind == "train" and record.get("mfu") is None:
+        parts.append("MFU n/a (no GPU peak known)")
+    return f"[{kind}] " + " | ".join(parts)
+
+
+def read_metrics(path: str | Path, kind: str = "train") -> list[dict[str, Any]]:
+    """The records of one kind, the last one of each step (see the module note on resumes)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if record.pop("kind") == kind:
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+class MetricsLogger:
+    def __init__(self, config: RunConfig, is_writer: bool) -> None:
+        self.is_writer = is_writer
+        self.jsonl = None
+        self.tensorboard = None
+        if not is_writer:
+            return
+        save = config.training.save
+        if save:
+            Path(save).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(save) / "metrics.jsonl", "a")
+        tensorboard_dir = config.training.tensorboard_dir or (str(Path(save) / "tensorboard") if save else None)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+
+    def info(self, message: str) -> None:
+        if self.is_writer:
+            print(message, file=sys.stdout, flush=True)
+
+    def log(self, kind: str, record: dict[str, Any]) -> None:
+        if not self.is_writer:
+            return
+        print(format_record(kind, record), flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+            self.jsonl.flush()
+        if self.tensorboard:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(f"{kind}/{key}", value, record["step"])
+            if "loss" in record:
+                self.tensorboard.add_scalar(f"{kind}/loss_vs_tokens", record["loss"], record["consumed_tokens"])
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tensorboard:
+            self.tensorboard.close()
+            self.tensorboard = None
