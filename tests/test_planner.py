@@ -1,0 +1,318 @@
+"""The planner: its formulas against values worked out by hand, the 530B count, a real DeepSpeed engine's
+allocations, and the errors of impossible plans.
+
+Hand values use the 530B shape: s = 2048, b = 1, h = 20480, a = 128, t = 8, p = 35, V = 51200, so one 16-bit hidden
+tensor 2 s b h = 83,886,080 bytes, and N_0 = 2,060,874,240 parameters on a TP rank of stage 0 (N_34 =
+2,018,972,160 on the last stage).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tools.plan import main as plan_main
+from training.config import load_run_config, parse_run_config
+from training.engine import build_engine
+from training.planner import (
+    GPU_PRESETS,
+    Assumptions,
+    count_parameters,
+    deepspeed_layout,
+    iteration_time,
+    layer_activation_bytes,
+    micro_batches_held,
+    plan_cluster,
+    ring_all_gather_seconds,
+    ring_all_reduce_seconds,
+    stage_activations,
+    stage_flops_per_micro_batch,
+    stage_memory,
+    suggest_ramp,
+    sustained_rates,
+    training_time,
+)
+from training.schedules import BatchRamp
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "ds_configs" / "530b.json"
+A100, DEFAULTS = GPU_PRESETS["a100-80gb"], Assumptions()
+HIDDEN_TENSOR = 2 * 2048 * 20480  # bytes of one bf16 (s, b, h) activation
+N_FIRST, N_LAST = 2_060_874_240, 2_018_972_160
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_run_config(RECIPE)
+
+
+@pytest.fixture(scope="module")
+def parameters(recipe):
+    return count_parameters(recipe)
+
+
+# ------------------------------------------------------------------------------------------- formulas by hand
+
+
+def test_layer_activations_korthikanti():
+    # s b h (10 + 24/t + 5 a s / (h t)) = 41,943,040 x (10 + 3 + 8) at t = 8; 34 + 64 at t = 1; (34 + 64) / 8 with SP
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8) == 41_943_040 * 21 == 880_803_840
+    assert layer_activation_bytes(2048, 1, 20480, 128, 1) == 41_943_040 * 98
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8, sequence_parallel=True) == 41_943_040 * 98 / 8
+    # a fused attention kernel keeps no s x s scores: the 5 a s / h term goes
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8, attention_scores_stored=False) == 41_943_040 * 13
+
+
+def test_stage_activations_530b(recipe, parameters):
+    first = stage_activations(recipe.model, parameters.stages[0], 1, 8)
+    last = stage_activations(recipe.model, parameters.stages[-1], 1, 8)
+    assert first.per_micro_batch_recompute == 4 * HIDDEN_TENSOR  # 3 layer inputs + the stage output
+    assert first.per_micro_batch_no_recompute == 3 * 880_803_840 + HIDDEN_TENSOR
+    assert first.working_set_recompute == 880_803_840 and first.working_set_no_recompute == 0
+    head = 2 * HIDDEN_TENSOR + 4 * 2048 * 51200 // 8  # final LayerNorm + head inputs, fp32 logits of 6400 rows
+    assert last.working_set_recompute == 880_803_840 + head and last.working_set_no_recompute == head
+
+
+def test_micro_batches_held_by_a_1f1b_stage():
+    assert [micro_batches_held(stage, 35, 240) for stage in (0, 1, 17, 34)] == [35, 34, 18, 1]
+    assert [micro_batches_held(stage, 35, 2) for stage in (0, 33, 34)] == [2, 2, 1]
+
+
+def test_links_follow_deepspeeds_rank_layout():
+    """TP ranks are neighbours, DP ranks TP apart, stages TP x DP apart: a group on one node uses NVLink."""
+    nvlink, infiniband = 600e9 / 2 * 0.8, 200e9 / 8 * 0.8
+    recipe_rates = sustained_rates(A100, DEFAULTS, 8, 35, 8)
+    assert (recipe_rates.tensor_parallel_bytes_per_s, recipe_rates.data_parallel_bytes_per_s,
+            recipe_rates.pipeline_bytes_per_s) == (nvlink, infiniband, infiniband)
+    one_node = sustained_rates(A100, DEFAULTS, 2, 2, 2)
+    assert one_node.data_parallel_bytes_per_s == one_node.pipeline_bytes_per_s == nvlink
+    assert sustained_rates(A100, DEFAULTS, 16, 1, 1).tensor_parallel_bytes_per_s == infiniband
+
+
+def test_ring_volumes():
+    assert ring_all_reduce_seconds(1e9, 8, 100e9) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+    assert ring_all_gather_seconds(1e9, 8, 100e9) == pytest.approx(7 / 8 * 1e9 / 100e9)
+    assert ring_all_reduce_seconds(1e9, 1, 100e9) == ring_all_gather_seconds(1e9, 1, 100e9) == 0.0
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_stage_flops_add_up_to_flops_per_iteration(recipe, parameters, recompute):
+    from training.metrics import flops_per_iteration
+
+    per_micro_batch = sum(stage_flops_per_micro_batch(recipe.model, c, 1, 8, recompute) for c in parameters.stages)
+    # every TP rank of every stage, 240 micro-batches on each of 8 pipelines
+    assert per_micro_batch * 8 * 240 * 8 == pytest.approx(flops_per_iteration(recipe.model, 1920, 8, recompute),
+                                                          rel=1e-12)
+
+
+def test_530b_memory_parts_by_hand(recipe, parameters):
+    memory = stage_memory(recipe, deepspeed_layout(recipe), parameters.stages[0], 8, 240, A100, DEFAULTS)
+    n = N_FIRST
+    assert (memory.weights, memory.gradients, memory.gradient_accumulation) == (2 * n, 2 * n, 4 * n)
+    assert (memory.master_weights, memory.adam_states, memory.gradient_partition) == (4 * n // 8, 8 * n // 8, 0)
+    assert memory.micro_batches_held == 35
+    assert memory.activations == memory.activations_recompute == 35 * 4 * HIDDEN_TENSOR + 880_803_840
+    assert memory.activations_no_recompute == 35 * (3 * 880_803_840 + HIDDEN_TENSOR)
+    assert memory.pipeline_buffers == 2 * HIDDEN_TENSOR and memory.reduce_buffer == 2 * n  # the bf16 cast
+    assert memory.total == 8 * n + 12 * n // 8 + memory.activations + 2 * HIDDEN_TENSOR + 2 * 2**30
+    assert memory.fits and memory.margin == 80 * 2**30 - memory.total
+
+
+def test_530b_iteration_time_by_hand(recipe, parameters):
+    timed = iteration_time(recipe, deepspeed_layout(recipe), parameters.stages, 8, 1920, A100, DEFAULTS)
+    flops_per_s, nvlink, infiniband, hbm = 312e12 * 0.6, 300e9 * 0.8, 25e9 * 0.8, 2039e9 * 0.8
+    last_stage_flops = (3 * 96 * 2048 * 20480**2 * (1 + 2048 / (6 * 20480)) + 6 * 2048 * 20480 * 51200) / 8
+    all_reduce = 2 * 7 / 8 * HIDDEN_TENSOR / nvlink
+    slot = timed.micro_batch
+    assert slot.stage == 34  # the logits make the last stage the slowest
+    assert slot.compute == pytest.approx(last_stage_flops / flops_per_s)
+    assert slot.tensor_parallel == pytest.approx((3 * 6 + 1) * all_reduce)  # 6 per layer with recompute, + the head
+    assert slot.pipeline_p2p == pytest.approx(2 * HIDDEN_TENSOR / 8 / infiniband + 7 / 8 * HIDDEN_TENSOR / nvlink)
+    assert slot.gradient_accumulation == pytest.approx(12 * N_LAST / hbm)
+    after = (2 * 1 / 2 * 4 * 6400 * 20480 / infiniband  # tied embedding, fp32, between 2 stages
+             + 2 * 7 / 8 * 2 * N_FIRST / infiniband  # bf16 all-reduce over DP 8
+             + (30 * N_FIRST / 8 + 16 * N_FIRST) / hbm  # Adam on the partition; cast, uncast and zero the buffer
+             + 7 / 8 * 2 * N_FIRST / infiniband)  # ZeRO-1 all-gather of the bf16 weights
+    assert timed.seconds == pytest.approx((240 + 34) * slot.total + after)
+    assert timed.bubble == pytest.approx(34 * slot.total) and timed.bubble_fraction == 34 / 240
+    assert timed.tflops_per_gpu == pytest.approx(timed.flops / (timed.seconds * 2240) / 1e12)
+
+
+@pytest.mark.parametrize("nodes, seconds, paper_tflops", [(280, 60.1, 126), (420, 44.4, 113)])
+def test_measured_iteration_gives_the_papers_throughput(recipe, parameters, nodes, seconds, paper_tflops):
+    """Smith et al. 2022, table: iteration time and TFLOP/s per GPU at 280 and 420 nodes."""
+    plan = plan_cluster(recipe, nodes, A100, DEFAULTS, parameters, iteration_seconds=seconds)
+    assert plan.measured["tflops_per_gpu"] == pytest.approx(paper_tflops, abs=0.6)
+    assert plan.measured["mfu"] == pytest.approx(plan.measured["tflops_per_gpu"] / 312)
+    assert plan.measured["mfu_without_recompute"] < plan.measured["mfu"]
+
+
+def test_training_time_integrates_the_ramp_in_tokens():
+    ramp = BatchRamp(start=2, increment=2, end=6, ramp_tokens=400)  # 200 tokens at 2, 200 at 4, then 6
+    timed = training_time(ramp, 1000, seq_length=10, seconds_per_step=lambda batch: 1.0 + batch)
+    # steps 200 / 20 + 200 / 40 + 600 / 60 = 10 + 5 + 10; seconds 10 x 3 + 5 x 5 + 10 x 7
+    assert (timed.steps, timed.seconds) == (25, 125)
+    assert (timed.ramp_tokens, timed.ramp_steps, timed.ramp_seconds) == (400, 15, 55)
+    assert timed.ramp_seconds_at_full_batch_rate == pytest.approx(400 * 7 / 60)
+
+
+def test_ramp_warning_names_sizes_and_a_ramp_that_works(recipe, parameters):
+    ramp = recipe.batch_schedule()
+    assert (suggest_ramp(ramp, 10).start, suggest_ramp(ramp, 10).increment) == (30, 30)
+    assert (suggest_ramp(ramp, 12).start, suggest_ramp(ramp, 12).increment) == (48, 36)
+    at_dp10 = plan_cluster(recipe, 350, A100, DEFAULTS, parameters)
+    assert at_dp10.ok and at_dp10.data_parallel_size == 10 and len(at_dp10.warnings) == 1
+    assert "32, 64, 96, 128, 192" in at_dp10.warnings[0] and "schedule.batch.increment=30" in at_dp10.warnings[0]
+    assert at_dp10.ramp["suggested"] and at_dp10.first_batch.global_batch == 30
+    assert at_dp10.full_batch.micro_batches == 192  # the full-batch figures are still given
+    for nodes in (280, 560):  # DP 8 and 16 divide every size of the ramp
+        assert plan_cluster(recipe, nodes, A100, DEFAULTS, parameters).warnings == []
+
+
+def test_throughput_falls_with_nodes_at_a_fixed_batch(recipe, parameters):
+    plans = [plan_cluster(recipe, n, A100, DEFAULTS, parameters) for n in (280, 350, 420, 560)]
+    assert all(p.ok and p.peak_memory().fits for p in plans)
+    tflops = [p.full_batch.tflops_per_gpu for p in plans]
+    bubbles = [p.full_batch.bubble_fraction for p in plans]
+    assert tflops == sorted(tflops, reverse=True) and bubbles == sorted(bubbles)
+    assert [p.full_batch.micro_batches for p in plans] == [240, 192, 160, 120]
+
+
+# ----------------------------------------------------------------------------------------------- parameter count
+
+
+def test_530b_meta_count_equals_analytic(parameters):
+    assert len(parameters.stages) == 35
+    assert all(c.parameters_per_tp_rank == c.analytic_per_tp_rank for c in parameters.stages)
+    assert (parameters.stages[0].parameters_per_tp_rank, parameters.stages[-1].parameters_per_tp_rank) == \
+        (N_FIRST, N_LAST)
+    assert parameters.total == parameters.analytic_total == 529_600_819_200
+
+
+# ------------------------------------------------------------------------------------- a real engine's allocations
+
+
+MEASURED = dict(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=2)
+
+
+def measured_config(precision: str):
+    raw = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                                    "torch_adam": True}},
+           "model": {"preset": "tiny", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                     "seq_length": 16, "precision": precision, "activation_checkpointing": True},
+           "parallelism": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
+           "schedule": {"lr": 1e-3, "warmup_tokens": 0, "decay_tokens": 1e6, "train_tokens": 1e6}}
+    if precision == "bf16":
+        raw.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    return parse_run_config(raw)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _allocated_by_deepspeed(precision: str) -> dict:
+    """Build the engine, train one batch (Adam's states exist after the first step), read what it holds."""
+    config = measured_config(precision)
+    engine, ctx = build_engine(config.model, config.parallelism, config.deepspeed, seed=1234)
+
+    def batches():
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):  # 8 = 2 micro-batches x 2 x DP 2
+            tokens = torch.randint(0, 200, (2, 17), generator=generator)
+            yield (tokens[:, :-1], torch.arange(16).expand(2, 16)), (tokens[:, 1:], torch.ones(2, 16))
+
+    engine.train_batch(data_iter=batches())
+    optimizer = engine.optimizer
+    if type(optimizer).__name__ == "BF16_Optimizer":
+        weights, master = optimizer.bf16_groups_flat, optimizer.fp32_groups_flat_partition
+        accumulation = optimizer.fp32_groups_gradients_flat
+    else:
+        weights, master, accumulation = optimizer.bit16_groups_flat, optimizer.single_partition_of_fp32_groups, []
+    adam = [optimizer.optimizer.state[p][key] for p in master for key in ("exp_avg", "exp_avg_sq")]
+    return {"optimizer": type(optimizer).__name__, "stage": engine.stage_id, "dp": ctx.data_parallel_size,
+            "groups": len(weights), "weights": _bytes(weights), "master_weights": _bytes(master),
+            "adam_states": _bytes(adam), "gradient_accumulation": _bytes(accumulation),
+            "module_weights": _bytes(engine.module.parameters())}
+
+
+def _allocated_both() -> list[dict]:
+    return [_allocated_by_deepspeed("bf16"), _allocated_by_deepspeed("fp32")]
+
+
+@pytest.mark.distributed
+def test_memory_parts_match_deepspeed_allocations():
+    """bf16 (BF16_Optimizer) and fp32 (DeepSpeedZeroOptimizer) at TP 1 x PP 2 x DP 2 on 4 CPU processes.
+
+    The planner counts N_i parameters exactly; DeepSpeed pads each parameter group's flat buffer to a multiple of
+    2 x DP elements, so it may hold up to (2 x DP - 1) more elements per group in a full buffer and 1 more per group
+    in a DP partition. Measured - planned must lie in [0, that padding]; at this model's sizes it is 0.
+    """
+    results = [r for rank in run_distributed(4, _allocated_both) for r in rank]
+    assert {r["optimizer"] for r in results} == {"BF16_Optimizer", "DeepSpeedZeroOptimizer"}
+    assert sorted({(r["stage"], r["dp"]) for r in results}) == [(0, 2), (1, 2)]
+    for r in results:
+        config = measured_config("bf16" if r["optimizer"] == "BF16_Optimizer" else "fp32")
+        count = count_parameters(config).stages[r["stage"]]
+        planned = stage_memory(config, deepspeed_layout(config), count, 2, 2, A100, DEFAULTS)
+        assert r["module_weights"] == planned.weights  # every parameter, in the model dtype
+        full, partition = 2 * r["dp"] - 1, 1  # padding elements per parameter group
+        padding_bytes = {"weights": full * planned.weights // planned.parameters, "gradient_accumulation": full * 4,
+                         "master_weights": partition * 4, "adam_states": 2 * partition * 4}
+        for part, per_group in padding_bytes.items():
+            assert 0 <= r[part] - getattr(planned, part) <= r["groups"] * per_group, (r["optimizer"], r["stage"], part)
+        assert r["weights"] == planned.weights and r["adam_states"] == planned.adam_states  # no padding here
+
+
+# ----------------------------------------------------------------------------------------------------- the CLI
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    status = plan_main(["--ds_config", str(RECIPE), *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_plans_the_recipe(capsys):
+    status, out, err = run_cli(capsys, "--nodes", "280,350")
+    assert status == 0 and err == ""
+    assert "529,600,819,200 from the modules, 529,600,819,200 analytic (equal)" in out
+    assert "verdict: fits" in out and "warning: ramp batch sizes not divisible by micro-batch x DP = 10" in out
+    assert "280   2240    8   240   0.142" in out  # the comparison table: nodes, GPUs, DP, m, bubble
+
+
+def test_cli_json_has_the_documented_schema(capsys):
+    status, out, _ = run_cli(capsys, "--nodes", "560", "--gpu", "h100-80gb", "--matmul-efficiency", "0.5",
+                             "--iteration-seconds", "30", "--json")
+    report = json.loads(out)
+    assert status == 0 and set(report) == {"config", "gpu", "assumptions", "deepspeed", "parameters", "plans"}
+    assert report["gpu"]["peak_tflops"] == 989 and report["assumptions"]["matmul_efficiency"] == 0.5
+    plan = report["plans"][0]
+    assert (plan["data_parallel_size"], plan["micro_batches"], plan["errors"]) == (16, 120, [])
+    assert len(plan["memory"]) == 35 and plan["memory"][0]["micro_batches_held"] == 35
+    assert plan["full_batch"]["micro_batch"]["stage"] == 34 and plan["training"]["steps"] > 0
+    assert plan["measured"]["tflops_per_gpu"] == pytest.approx(plan["flops"]["full_batch"] / (30 * 4480) / 1e12)
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--nodes", "100"], "data parallelism is not a whole number: 100 nodes x 8 GPUs = world size 800 is not "
+                         "divisible by tensor_parallel_size (8) x pipeline_parallel_size (35) = 280"),
+    (["--nodes", "280", "--set", "train_micro_batch_size_per_gpu=7"],
+     "the full batch train_batch_size=1920 is not divisible by micro-batch x DP = 7 x 8 = 56"),
+    (["--nodes", "280", "--set", "model.activation_checkpointing=false"],
+     "memory exceeded: stage 0 needs 109.3 GiB of the a100-80gb's 80 GiB"),
+    (["--nodes", "280", "--gpu", "a100-40gb", "--memory-gib", "30"], "memory exceeded: stage 0 needs 32.1 GiB"),
+    (["--nodes", "280,x"], "--nodes '280,x': expected positive numbers"),
+    (["--nodes", "280,350", "--iteration-seconds", "60.1"], "--iteration-seconds has 1 values for 2 node counts"),
+    (["--nodes", "280", "--matmul-efficiency", "1.5"], "matmul_efficiency must be in (0, 1]"),
+    (["--nodes", "280", "--set", "zero_optimization.stage=2"], "the planner models ZeRO stage 1"),
+])
+def test_cli_impossible_plans_exit_1_with_the_reason(capsys, args, reason):
+    status, _, err = run_cli(capsys, *args)
+    assert status == 1 and reason in err

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Plan a run before booking the cluster: memory per GPU by part, iteration time by part, the whole training.
+
+    python tools/plan.py --ds_config ds_configs/530b.json --nodes 280,350,420,560
+    python tools/plan.py --ds_config ds_configs/530b.json --nodes 280,420 --iteration-seconds 60.1,44.4  # measured
+    python tools/plan.py --ds_config ds_configs/530b.json --nodes 70 --gpu h100-80gb --matmul-efficiency 0.5 --json
+
+Exit status 0 when every plan is possible; 1 with the reason on stderr when one is not (DP not a whole number, a full
+batch that does not split into micro-batches x DP, memory exceeded) or the input is invalid. Ramp sizes that do not
+split are a warning with a ramp that would. The formulas, constants and the --json schema: training/planner.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from training.config import load_run_config
+from training.planner import (
+    GPU_PRESETS,
+    Assumptions,
+    Hardware,
+    count_parameters,
+    format_comparison,
+    format_header,
+    format_plan,
+    plan_cluster,
+    report_to_dict,
+)
+
+HARDWARE_FLAGS = {  # flag -> Hardware field
+    "--peak-tflops": "peak_tflops", "--memory-gib": "memory_gib", "--hbm-gbytes-per-s": "hbm_gbytes_per_s",
+    "--nvlink-gbytes-per-s": "nvlink_gbytes_per_s", "--ib-gbits-per-gpu": "ib_gbits_per_s",
+}
+ASSUMPTION_FLAGS = {  # flag -> Assumptions field
+    "--matmul-efficiency": "matmul_efficiency", "--comm-efficiency": "comm_efficiency",
+    "--hbm-efficiency": "hbm_efficiency", "--framework-gib": "framework_gib",
+}
+
+
+def _field_help(cls: type, name: str) -> str:
+    """The field's docstring is its help: read it from the source once, here."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, after in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and node.target.id == name and isinstance(after, ast.Expr):
+            return " ".join(after.value.value.split()).replace("%", "%%")  # argparse formats help with %
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ds_config", required=True, help="the run's JSON config")
+    parser.add_argument("--set", action="append", default=[], metavar="BLOCK.FIELD=VALUE", help="override a field")
+    parser.add_argument("--nodes", required=True, help="node counts, comma-separated: 280,350,420,560")
+    parser.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="a100-80gb", help="GPU preset (a100-80gb)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the preset's, 8)")
+    parser.add_argument("--iteration-seconds", help="measured full-batch iteration times, one per node count "
+                        "(comma-separated): report their TFLOP/s per GPU and MFU")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (schema: training/planner.py)")
+    for flag, name in HARDWARE_FLAGS.items():
+        parser.add_argument(flag, type=float, dest=name, help=f"override the preset: {_field_help(Hardware, name)}")
+    for flag, name in ASSUMPTION_FLAGS.items():
+        default = getattr(Assumptions(), name)
+        parser.add_argument(flag, type=float, dest=name, default=default,
+                            help=f"(default {default:g}) {_field_help(Assumptions, name)}")
+    parser.add_argument("--flash-attention", action="store_true", help=_field_help(Assumptions, "flash_attention"))
+    return parser
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    overrides = {name: getattr(args, name) for name in HARDWARE_FLAGS.values() if getattr(args, name) is not None}
+    if args.gpus_per_node is not None:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    return dataclasses.replace(GPU_PRESETS[args.gpu], **overrides)
+
+
+def parse_list(flag: str, text: str, kind: type) -> list:
+    """'280,350' -> [280, 350]: positive numbers, or a ValueError naming the flag."""
+    try:
+        values = [kind(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r}: expected positive numbers separated by commas, e.g. 280,350")
+    return values
+
+
+def parse_iteration_seconds(text: str | None, nodes: list[int]) -> list[float | None]:
+    if text is None:
+        return [None] * len(nodes)
+    seconds = parse_list("--iteration-seconds", text, float)
+    if len(seconds) != len(nodes):
+        raise ValueError(f"--iteration-seconds has {len(seconds)} values for {len(nodes)} node counts: give one "
+                         f"measured time per node count")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_run_config(args.ds_config, args.set)
+        nodes = parse_list("--nodes", args.nodes, int)
+        measured = parse_iteration_seconds(args.iteration_seconds, nodes)
+        hardware = hardware_from_args(args)
+        assumptions = Assumptions(**{name: getattr(args, name) for name in ASSUMPTION_FLAGS.values()},
+                                  flash_attention=args.flash_attention)
+        parameters = count_parameters(config)
+        plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds)
+                 for n, seconds in zip(nodes, measured, strict=True)]
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report_to_dict(config, hardware, assumptions, parameters, plans), indent=1))
+    else:
+        print(format_header(config, hardware, assumptions, parameters))
+        for plan in plans:
+            print("\n" + format_plan(plan))
+        print("\n" + format_comparison(plans))
+    for plan in plans:
+        for error in plan.errors:
+            print(f"error: {plan.nodes} nodes: {error}", file=sys.stderr)
+    return 0 if all(plan.ok for plan in plans) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
