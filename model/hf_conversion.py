@@ -22,9 +22,6 @@ The checkpoint layout (DeepSpeed's pipeline engine, via training/checkpoint.py),
                                                      bookkeeping and the client_state (run_config, train_state)
     <dir>/<tag>/[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO fp32 master weights and Adam moments
 
-Checkpoints written before the word embedding was saved as a layer file (no ``layer_00-*``) still export: the
-embedding is then read from the ZeRO fp32 master weights of the first stage.
-
 Memory: only one layer's shards are read at a time (memory-mapped) and each output tensor is written as soon as it is
 merged, into safetensors files whose headers are planned up front; peak memory follows the largest layer.
 """
@@ -55,8 +52,6 @@ ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                       "gelu_fast": "gelu_tanh"}  # the three tanh approximations agree to ~1e-7
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# DeepSpeed's name for the tied embedding's weight: tied_modules.<TiedLayerSpec key>.<tied_weight_attr>
-EMBEDDING_PARAMETER = "tied_modules.word_embeddings.weight"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -230,8 +225,6 @@ class Checkpoint:
     parallel: ParallelConfig
     client_state: dict[str, Any]
     """What the trainer saved beside the model: run_config, train_state."""
-    embedding_from_optimizer: bool
-    """No layer_00 files (a checkpoint from before they were written): read the ZeRO fp32 master weights."""
 
     @property
     def tag_directory(self) -> Path:
@@ -279,12 +272,12 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
         model.check_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{states_file}: its run_config does not describe a valid model and split: {error}") from None
-    embedding_from_optimizer = _check_files(directory / tag, model, parallel)
-    return Checkpoint(directory, tag, model, parallel, client_state, embedding_from_optimizer)
+    _check_files(directory / tag, model, parallel)
+    return Checkpoint(directory, tag, model, parallel, client_state)
 
 
-def _check_files(tag_directory: Path, model: ModelConfig, parallel: ParallelConfig) -> bool:
-    """Every layer file of every TP rank present, none beyond; returns whether the embedding must come from ZeRO."""
+def _check_files(tag_directory: Path, model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Every layer file of every TP rank present, none beyond."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     claim = f"the run_config's tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
     states = sorted(p.name for p in tag_directory.glob("mp_rank_*_model_states.pt"))
@@ -298,20 +291,15 @@ def _check_files(tag_directory: Path, model: ModelConfig, parallel: ParallelConf
     if extra:
         raise ValueError(f"{tag_directory} holds layer files that {claim} with {model.num_layers} layers does not "
                          f"have: {extra[:6]}: the run_config does not match the files (another TP size or depth)")
-    embedding_files = {layer_file(tag_directory, 0, rank).name for rank in range(tp)}
-    from_optimizer = not (embedding_files & present) and bool(_optimizer_files(tag_directory, 0))
-    missing = sorted(expected - present - (embedding_files if from_optimizer else set()))
+    missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{tag_directory} is missing {len(missing)} shard file(s) of {claim}: {missing[:6]}: the "
                          f"checkpoint is incomplete (copy the missing files, or convert an earlier tag)")
-    return from_optimizer
 
 
 def read_layer(checkpoint: Checkpoint, layer: LayerMap) -> list[dict[str, torch.Tensor]]:
     """The state_dict of each TP rank of one layer, shapes checked (memory-mapped: read as used)."""
     tp = checkpoint.tensor_parallel_size
-    if layer.index == 0 and checkpoint.embedding_from_optimizer:
-        return [{"weight": _embedding_from_optimizer(checkpoint, rank)} for rank in range(tp)]
     shards = []
     for rank in range(tp):
         path = layer_file(checkpoint.tag_directory, layer.index, rank)
@@ -334,45 +322,6 @@ def _check_layer_state(path: Path, state: Any, layer: LayerMap, config: ModelCon
                              f"checkpoint's run_config (tensor_parallel_size {tp}, hidden {config.hidden_size}, "
                              f"ffn {config.ffn_hidden_size}, vocab {config.vocab_size}) means {expected}: the file "
                              f"was written with another split or model shape than the run_config claims")
-
-
-def _optimizer_files(tag_directory: Path, model_parallel_rank: int) -> list[Path]:
-    """ZeRO shards of one stage x TP rank, in data-parallel order."""
-    pattern = f"*zero_pp_rank_*_mp_rank_{model_parallel_rank:02d}_optim_states.pt"
-    files = list(Path(tag_directory).glob(pattern))
-    return sorted(files, key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
-
-
-def _load_optimizer_state(path: Path) -> dict[str, Any]:
-    """A ZeRO file holds three small DeepSpeed objects besides tensors: allow exactly those, nothing else."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-        return _load(path)["optimizer_state_dict"]
-
-
-def _embedding_from_optimizer(checkpoint: Checkpoint, tensor_parallel_rank: int) -> torch.Tensor:
-    """This TP rank's embedding rows from the first stage's ZeRO fp32 partitions, concatenated in DP order."""
-    tag_directory = checkpoint.tag_directory
-    files = _optimizer_files(tag_directory, tensor_parallel_rank)  # first stage: model-parallel rank = TP rank
-    pieces = []
-    for path in files:
-        state = _load_optimizer_state(path)
-        for group, mapping in enumerate(state["param_slice_mappings"]):
-            if EMBEDDING_PARAMETER in mapping:
-                fragment = mapping[EMBEDDING_PARAMETER]
-                flat = state["single_partition_of_fp32_groups"][group]
-                pieces.append(flat.narrow(0, fragment.start, fragment.numel).clone())
-        del state
-    shape = shard_shape(layer_maps(checkpoint.model)[0].tensors[0], checkpoint.model, checkpoint.tensor_parallel_size)
-    found = sum(piece.numel() for piece in pieces)
-    if found != shape[0] * shape[1]:
-        raise ValueError(f"{tag_directory} has no layer_00 file and its ZeRO files {[p.name for p in files]} hold "
-                         f"{found} values of {EMBEDDING_PARAMETER} for TP rank {tensor_parallel_rank}, not "
-                         f"{shape[0]} x {shape[1]}: the word embedding cannot be recovered from this checkpoint")
-    return torch.cat(pieces).view(shape)
 
 
 # -- writing safetensors a tensor at a time --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Where checkpoints are written and read.
 
 A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
-optimizer shards) plus ``rng_state_rank<R>.pt`` per global rank, and the training state (step, consumed samples and
+optimizer shards) plus ``rank_state_<R>.pt`` per global rank (RNG states, spike-guard window), and the training state (step, consumed samples and
 tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names the newest COMPLETE checkpoint: it is
 written by rank 0 only after every rank has finished writing (a barrier), to a temporary file, fsynced, and renamed
 over the old one. A crash while writing leaves the previous ``latest`` in place.
@@ -10,6 +10,7 @@ over the old one. A crash while writing leaves the previous ``latest`` in place.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,19 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def check_writable(directory: str | Path) -> None:
+    """Fail at start-up, not at the first checkpoint, when the checkpoint directory cannot be written."""
+    directory = Path(directory)
+    probe = directory / f".write_probe_{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"training.save: cannot write checkpoints to {directory} ({error.strerror or error}): "
+                         f"choose a writable directory with free space") from None
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -67,12 +81,32 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any]) -> str:
-    """Collective: every rank writes its shards; ``latest`` moves only once all have finished."""
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed; ``latest`` still names the previous complete one."""
+
+
+def _rank_state_file(directory: Path, tag: str, rank: int) -> Path:
+    return directory / tag / f"rank_state_{rank}.pt"
+
+
+def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any],
+                    rank_state: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None) -> str:
+    """Collective: every rank writes its shards and its own state (RNG, guards); ``latest`` moves only once all have
+    finished. A failure to write (full disk, lost mount) raises CheckpointWriteError naming the previous checkpoint;
+    the failing rank exits and the launcher ends the job, so no rank waits forever at the barrier."""
     directory = Path(directory)
     tag = tag_for_step(step)
-    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), directory / tag / f"rng_state_rank{dist.get_rank()}.pt")
+    previous = read_latest(directory)
+    try:
+        engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+        torch.save({"rng": rng_state(), **(rank_state or {})}, _rank_state_file(directory, tag, dist.get_rank()))
+        if before_commit:
+            before_commit()
+    except OSError as error:
+        raise CheckpointWriteError(
+            f"rank {dist.get_rank()} could not write checkpoint {directory / tag}: {error.strerror or error}. "
+            f"{LATEST} still names {previous or 'no checkpoint'}; free space or fix the mount, then relaunch to resume "
+            f"from it (the partial {tag} directory is overwritten by the next save of that step)") from error
     dist.barrier()
     if dist.get_rank() == 0:
         write_latest(directory, tag)
@@ -94,8 +128,8 @@ def load_weights(engine: Any, directory: str | Path) -> int:
     return int((client_state or {}).get("train_state", {}).get("consumed_tokens", 0))
 
 
-def load_checkpoint(engine: Any, directory: str | Path) -> dict[str, Any] | None:
-    """Load the latest complete checkpoint into the engine; return its client_state, or None if there is none.
+def load_checkpoint(engine: Any, directory: str | Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Load the latest complete checkpoint into the engine; return (client_state, this rank's state), or None.
 
     DeepSpeed reads its own files with torch.load(weights_only=False) (its optimizer states hold Python objects);
     the files this project adds are read with weights_only=True.
@@ -107,7 +141,10 @@ def load_checkpoint(engine: Any, directory: str | Path) -> dict[str, Any] | None
                                                      load_lr_scheduler_states=False)
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {Path(directory) / tag}")
-    rng_file = Path(directory) / tag / f"rng_state_rank{dist.get_rank()}.pt"
-    if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=True))
-    return client_state
+    rank_file = _rank_state_file(Path(directory), tag, dist.get_rank())
+    if not rank_file.exists():
+        raise ValueError(f"{rank_file} is missing: the checkpoint was written by a different number of processes "
+                         f"or is incomplete; relaunch with the same world size, or restore the file")
+    rank_state = torch.load(rank_file, weights_only=True)
+    set_rng_state(rank_state.pop("rng"))
+    return client_state, rank_state

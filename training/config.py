@@ -23,12 +23,17 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from model.config import ModelConfig, ParallelConfig, preset
 from training.schedules import BatchRamp, LearningRateSchedule
 
+if TYPE_CHECKING:
+    from training.noise_scale import NoiseScaleBatchSchedule
+
 PROJECT_BLOCKS = ("model", "parallelism", "schedule", "data", "training")
+BATCH_SCHEDULE_KEYS = {"ramp": {"start", "increment", "ramp_tokens"},
+                       "noise_scale": {"start", "factor", "interval_steps"}}
 # DeepSpeed keys this project sets itself, or that would fight its schedules.
 FORBIDDEN_DEEPSPEED_KEYS = {
     "scheduler": "the learning rate follows schedule.* in tokens; remove the DeepSpeed scheduler block",
@@ -50,16 +55,27 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1
     """The minimum learning rate as a fraction of the peak."""
     batch: dict[str, Any] = field(default_factory=dict)
-    """The global batch ramp: start, increment, ramp_tokens (the end is train_batch_size). Empty: no ramp."""
+    """The global batch: {"type": "ramp", start, increment, ramp_tokens} (the recipe's fixed ramp in tokens; empty:
+    no ramp), or {"type": "noise_scale", start, factor, interval_steps} (factor x the measured gradient noise scale,
+    training/noise_scale.py; needs DP >= 2). Either ends at train_batch_size."""
 
     def __post_init__(self) -> None:
         if self.train_tokens <= 0:
             raise ValueError(f"schedule.train_tokens must be positive, got {self.train_tokens}")
-        unknown = set(self.batch) - {"type", "start", "increment", "ramp_tokens"}
+        kind = self.batch.get("type", "ramp")
+        if kind not in BATCH_SCHEDULE_KEYS:
+            raise ValueError(f"schedule.batch.type {kind!r} is not known: use \"ramp\" or \"noise_scale\"")
+        unknown = set(self.batch) - BATCH_SCHEDULE_KEYS[kind] - {"type"}
         if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in schedule.batch: use start, increment, ramp_tokens")
-        if self.batch.get("type", "ramp") != "ramp":
-            raise ValueError(f"schedule.batch.type {self.batch['type']!r} is not known: use \"ramp\"")
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in schedule.batch of type {kind!r}: use "
+                             f"{', '.join(sorted(BATCH_SCHEDULE_KEYS[kind]))}")
+        if kind == "noise_scale" and "start" not in self.batch:
+            raise ValueError("schedule.batch.start is required with type \"noise_scale\": the batch of the first "
+                             "steps, before the noise scale is measured")
+        if self.warmup_tokens > self.decay_tokens:
+            raise ValueError(f"schedule.warmup_tokens ({self.warmup_tokens:g}) is longer than schedule.decay_tokens "
+                             f"({self.decay_tokens:g}): warmup should be a small part of the run (the recipe: 1e9 "
+                             f"then 340e9); check the units, both are tokens")
 
 
 @dataclass
@@ -76,6 +92,12 @@ class DataConfig:
     """The tokenizer's end-of-document id (GPT-2's <|endoftext|> by default); used by eod_mask_loss."""
 
     def __post_init__(self) -> None:
+        from data.gpt_dataset import parse_split
+
+        try:
+            parse_split(self.split)
+        except ValueError as error:
+            raise ValueError(f"data.split: {error}") from None
         for i, entry in enumerate(self.blend):
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (int, float))
                     and entry[0] > 0 and isinstance(entry[1], str)):
@@ -103,8 +125,17 @@ class TrainingConfig:
     init_from: str | None = None
     """Initialise the weights from this checkpoint (e.g. one made by tools/convert_from_hf.py) with a fresh optimizer,
     when the save directory holds no checkpoint yet. The schedules start at its hf_import.json start_tokens."""
+    max_consecutive_skips: int = 20
+    """Stop (with the batch positions) when this many steps in a row were skipped (non-finite loss or gradient,
+    fp16 overflow, loss spike without rollback)."""
+    spike_guard: dict[str, Any] = field(default_factory=dict)
+    """Loss-spike guard, off by default: {"enabled": true, "window": 32, "threshold_std": 5.0, "min_increase": 0.1,
+    "rollback": false} (training/guards.py)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total, even if train_tokens are not reached (for tests)."""
+    noise_scale_beta: float = 0.99
+    """Moving-average beta of the gradient noise scale's |G|^2 and tr(Sigma) estimates, measured at every step when
+    DP >= 2 (training/noise_scale.py)."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval",):
@@ -115,6 +146,18 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
         if self.save_interval and not self.save:
             raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
+        if not 0.0 <= self.noise_scale_beta < 1.0:
+            raise ValueError(f"training.noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"training.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        guard = self.spike_guard_config()
+        if guard.rollback and not self.save:
+            raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")
+
+    def spike_guard_config(self):
+        from training.guards import SpikeGuardConfig
+
+        return _build(SpikeGuardConfig, "training.spike_guard", self.spike_guard)
 
 
 @dataclass
@@ -142,15 +185,37 @@ class RunConfig:
                                     min_lr_ratio=s.min_lr_ratio)
 
     def batch_schedule(self) -> BatchRamp:
+        """The fixed ramp in tokens; with type "noise_scale" none (the full batch): see noise_scale_schedule."""
         b = self.schedule.batch
         end = self.global_batch_size
+        if b.get("type") == "noise_scale":
+            return BatchRamp(start=end, increment=end, end=end, ramp_tokens=0.0)
         return BatchRamp(start=int(b.get("start", end)), increment=int(b.get("increment", end)), end=end,
                          ramp_tokens=float(b.get("ramp_tokens", 0)))
+
+    def noise_scale_schedule(self, data_parallel_size: int) -> NoiseScaleBatchSchedule | None:
+        """The batch schedule driven by the measured noise scale, or None with a "ramp" type."""
+        b = self.schedule.batch
+        if b.get("type") != "noise_scale":
+            return None
+        from training.noise_scale import NoiseScaleBatchSchedule  # imports torch: only when used
+
+        return NoiseScaleBatchSchedule(start=int(b["start"]), end=self.global_batch_size,
+                                       micro_batch_size=self.micro_batch_size, data_parallel_size=data_parallel_size,
+                                       factor=float(b.get("factor", 1.0)),
+                                       interval_steps=int(b.get("interval_steps", 1)))
 
     def check_world(self, world_size: int) -> int:
         """Validate against the launched world; return the data-parallel size."""
         dp = self.parallelism.data_parallel_size(world_size)
-        self.batch_schedule().check_divisible(self.micro_batch_size, dp)
+        if self.schedule.batch.get("type") != "noise_scale":
+            self.batch_schedule().check_divisible(self.micro_batch_size, dp)
+            return dp
+        if dp < 2:
+            raise ValueError(f"schedule.batch.type \"noise_scale\" needs data parallelism >= 2 (the noise scale "
+                             f"compares one replica's gradient with the DP mean); this world gives DP = {dp}: "
+                             f"launch more processes or use the \"ramp\" type")
+        self.noise_scale_schedule(dp)  # start and train_batch_size must be multiples of micro-batch x DP
         return dp
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,8 +292,13 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
                        training=_build(TrainingConfig, "training", raw.get("training", {})),
                        deepspeed=deepspeed, source=source)
     config.model.check_parallel(config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size)
+    if config.data.eod_token_id >= config.model.vocab_size:
+        raise ValueError(f"{source}: model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's: its "
+                         f"end-of-document id data.eod_token_id ({config.data.eod_token_id}) does not fit; give the "
+                         f"model at least the tokenizer's vocabulary (50257 for GPT-2)")
     config.learning_rate_schedule()
     config.batch_schedule()
+    config.noise_scale_schedule(data_parallel_size=1)  # bounds, factor, interval; the DP multiple in check_world
     _check_precision(config)
     return config
 

@@ -16,7 +16,8 @@ from training.config import RunConfig
 CONSOLE_FIELDS = [
     ("step", "step {}"), ("consumed_tokens", "tokens {:,}"), ("consumed_samples", "samples {:,}"),
     ("global_batch", "batch {}"), ("micro_batches", "micro-batches {}"), ("lr", "lr {:.3e}"), ("loss", "loss {:.4f}"),
-    ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("skipped_steps", "skipped {}"),
+    ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
+    ("skipped_steps", "skipped {}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
     ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"),
 ]

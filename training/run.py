@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from training.checkpoint import check_writable
 from training.config import RunConfig
 from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
@@ -14,6 +15,8 @@ def run(config: RunConfig) -> TrainState:
     finished = False
     try:
         check_datasets(config)  # a missing, truncated or too-large-vocabulary dataset fails here, not mid-run
+        if config.training.save:
+            check_writable(config.training.save)
         engine, ctx = build_engine(config.model, config.parallelism, config.deepspeed, config.training.seed)
         train_loader, valid_loader = build_loader_factories(config, ctx)
         state = Trainer(config, engine, ctx, train_loader, valid_loader).train()

@@ -1,11 +1,15 @@
 """The training loop: where the batch size changes, where the learning rate is set, where checkpoints happen.
 
 Each step:
-  1. global batch  = batch_schedule(tokens consumed before the step)   -> engine.set_train_batch_size
+  1. global batch  = batch_schedule(tokens consumed before the step), or with schedule.batch.type "noise_scale"
+                     factor x the noise scale measured up to the previous step  -> engine.set_train_batch_size
   2. learning rate = lr_schedule(tokens consumed after the step)        -> every optimizer param group
   3. engine.train_batch pulls batch / (micro x DP) micro-batches per DP rank from the loader
-  4. counters advance; log / evaluate / checkpoint on their intervals; SIGTERM or SIGINT on any rank ->
-     checkpoint on every rank and return.
+  4. counters advance (the data is consumed even when the update is skipped, see training/guards.py);
+     one all-reduce agrees on the step's status (a stop signal on any rank, a loss spike on any last stage);
+     log / evaluate / checkpoint on their intervals; SIGTERM or SIGINT -> checkpoint on every rank and return;
+     too many consecutive skipped steps -> stop with the batch positions; a spike with rollback -> reload the
+     latest checkpoint and skip the data up to the spike.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import torch.distributed as dist
 from model.parallel import ParallelContext, device
 from training import checkpoint
 from training.config import RunConfig
+from training.faults import FaultPlan, FaultyLoader
+from training.guards import SpikeGuard, attach_spike_guard
 from training.metrics import detect_peak_tflops, flops_per_iteration, mfu, tflops_per_gpu
 from training.metrics_log import MetricsLogger
+from training.noise_scale import NoiseScaleMonitor
 
 
 @dataclass
@@ -33,36 +40,48 @@ class TrainState:
 
     step: int = 0
     consumed_samples: int = 0
+    """Samples trained on (or skipped by a non-applied update); the schedules count these."""
     consumed_tokens: int = 0
     global_batch: int = 0
+    skipped_samples: int = 0
+    """Samples of data jumped over by spike rollbacks: the loader reads from consumed + skipped."""
+    consecutive_skips: int = 0
+    rollbacks: int = 0
+
+    @property
+    def data_position(self) -> int:
+        return self.consumed_samples + self.skipped_samples
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many skipped steps); the message says where and what to do."""
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag; the loop checks it after each step, agreed over all ranks."""
+    """SIGTERM / SIGINT set a flag; the loop reads it after each step, agreed over all ranks."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
-
-    def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
+@dataclass
+class StepStatus:
+    stop_requested: bool
+    spike_loss: float | None
+
+
 class Trainer:
     def __init__(self, config: RunConfig, engine: Any, ctx: ParallelContext, train_loader_factory,
                  valid_loader_factory=None) -> None:
-        """``*_loader_factory(consumed_samples)`` returns an iterator over this DP rank's micro-batches."""
+        """``*_loader_factory(data_position)`` returns an iterator over this DP rank's micro-batches."""
         self.config, self.engine, self.ctx = config, engine, ctx
         self.lr_schedule = config.learning_rate_schedule()
         self.batch_schedule = config.batch_schedule()
@@ -71,26 +90,40 @@ class Trainer:
         self.state = TrainState()
         self.peak_tflops = config.training.peak_tflops_per_gpu or detect_peak_tflops()
         self.logger = MetricsLogger(config, is_writer=dist.get_rank() == 0)
+        # Measures the gradient noise scale at every step (DP >= 2): one ReduceGrads hook, one small all-reduce.
+        self.noise_scale = NoiseScaleMonitor(engine, ctx, beta=config.training.noise_scale_beta, info=self.logger.info)
+        self.noise_scale_schedule = config.noise_scale_schedule(ctx.data_parallel_size)
+        self.faults = FaultPlan.from_environment()
+        self.spike_guard = SpikeGuard(config.training.spike_guard_config())
+        attach_spike_guard(engine, self.spike_guard)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
         self.resume()
-        loader = self.make_train_loader(self.state.consumed_samples)
+        loader = self._loader()
         stop = StopRequest()
         window = _Window()
         try:
             while not self.finished():
-                loss = self.train_step(loader)
+                loss, skipped = self.train_step(loader)
+                if not skipped:
+                    self.state.consecutive_skips = 0
+                status = self._agree_on_status(stop)
                 window.add(self.state, flops_per_iteration(self.config.model, self.state.global_batch,
                                                            self.ctx.tensor_parallel_size))
                 if self.state.step % self.config.training.log_interval == 0:
                     self.log_step(loss, window.take())
-                stopping = stop.any_rank()
+                if skipped:
+                    self._record_skip(loss, status)
+                    if status.spike_loss is not None and self.spike_guard.config.rollback:
+                        self.rollback()
+                        loader = self._loader()
+                        continue
                 if self._due(self.config.training.eval_interval):
                     self.evaluate()
-                if stopping or self._due(self.config.training.save_interval):
+                if status.stop_requested or self._due(self.config.training.save_interval):
                     self.save()
-                if stopping:
+                if status.stop_requested:
                     self.logger.info(f"stop requested by a signal: checkpoint written at step {self.state.step}")
                     return self.state
             if not self._due(self.config.training.eval_interval):  # the last step was not evaluated yet
@@ -101,19 +134,60 @@ class Trainer:
             stop.restore()
             self.logger.close()
 
-    def train_step(self, loader) -> float:
-        batch = self.batch_schedule(self.state.consumed_tokens)
+    def _loader(self):
+        return FaultyLoader(self.make_train_loader(self.state.data_position), self.faults, self.config.model.vocab_size)
+
+    def train_step(self, loader: FaultyLoader) -> tuple[float, bool]:
+        """One optimizer step; returns the loss and whether DeepSpeed skipped the update."""
+        batch = self.next_batch()
         if batch != self.engine.train_batch_size():
             self.engine.set_train_batch_size(batch)
         lr = self.lr_schedule(self.state.consumed_tokens + batch * self.seq_length)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+        skipped_before = self.engine.skipped_steps
+        loader.step = self.state.step + 1
+        self.spike_guard.begin_step(self.engine.gradient_accumulation_steps())
         loss = self.engine.train_batch(data_iter=loader).item()
+        self.noise_scale.after_step()  # collective: every rank, every step
         self.state.step += 1
         self.state.global_batch = batch
         self.state.consumed_samples += batch
         self.state.consumed_tokens += batch * self.seq_length
-        return loss
+        return loss, self.engine.skipped_steps > skipped_before
+
+    def _agree_on_status(self, stop: StopRequest) -> StepStatus:
+        """One small all-reduce (MAX) per step: a signal on any rank, a spike on any last stage (and its loss)."""
+        spike = self.spike_guard.spike_loss
+        flags = torch.tensor([float(stop.requested), float(spike is not None), spike or 0.0], device=device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return StepStatus(stop_requested=bool(flags[0]), spike_loss=flags[2].item() if flags[1] else None)
+
+    def _record_skip(self, loss: float, status: StepStatus) -> None:
+        state = self.state
+        first = state.data_position - state.global_batch
+        reason = (f"loss spike {status.spike_loss:.4f} above the guard's threshold" if status.spike_loss is not None
+                  else f"non-finite loss or gradient (loss {loss}), or an fp16 loss-scale overflow")
+        self.logger.log("skip", {"step": state.step, "consumed_tokens": state.consumed_tokens, "reason": reason,
+                                 "first_sample": first, "last_sample": state.data_position - 1,
+                                 "skipped_steps": int(self.engine.skipped_steps)})
+        if status.spike_loss is not None and self.spike_guard.config.rollback:
+            return
+        state.consecutive_skips += 1
+        limit = self.config.training.max_consecutive_skips
+        if state.consecutive_skips >= limit:
+            raise TrainingStopped(
+                f"stopping: {state.consecutive_skips} consecutive steps were skipped (training.max_consecutive_skips "
+                f"= {limit}), the last at step {state.step} on samples [{first}, {state.data_position}) ({reason}). "
+                f"The weights are those of the last applied step; the latest checkpoint is "
+                f"{checkpoint.read_latest(self.config.training.save) if self.config.training.save else None}. Inspect "
+                f"the data there (tools/inspect_dataset.py), lower the learning rate, or relaunch with "
+                f"training.spike_guard.rollback to jump over it")
+
+    def next_batch(self) -> int:
+        if self.noise_scale_schedule is not None:
+            return self.noise_scale_schedule(self.state.step, self.noise_scale.noise_scale)
+        return self.batch_schedule(self.state.consumed_tokens)
 
     def finished(self) -> bool:
         max_steps = self.config.training.max_steps
@@ -138,6 +212,7 @@ class Trainer:
             "tokens_per_second": throughput["samples"] * self.seq_length / throughput["seconds"],
             "tflops_per_gpu": achieved,
             "mfu": mfu(achieved, self.peak_tflops),
+            **self.noise_scale.last,
         }
         self.logger.log("train", record)
 
@@ -159,25 +234,57 @@ class Trainer:
         directory = self.config.training.save
         if not directory:
             return
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        tag = checkpoint.save_checkpoint(self.engine, directory, self.state.step,
-                                         {"train_state": asdict(self.state), "run_config": self.config.to_dict()})
+        tag = checkpoint.save_checkpoint(
+            self.engine, directory, self.state.step,
+            client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
+                          "noise_scale": self.noise_scale.state_dict(),
+                          "noise_scale_schedule": self.noise_scale_schedule.state_dict()
+                          if self.noise_scale_schedule is not None else None},
+            rank_state={"spike_guard": self.spike_guard.state_dict()},
+            before_commit=lambda: self.faults.before_checkpoint_commit(self.state.step, dist.get_rank()))
         self.logger.info(f"saved checkpoint {Path(directory) / tag}")
 
     def resume(self) -> None:
         directory = self.config.training.save
-        client_state = checkpoint.load_checkpoint(self.engine, directory) if directory else None
-        if client_state is None:
+        loaded = checkpoint.load_checkpoint(self.engine, directory) if directory else None
+        if loaded is None:
             if self.config.training.init_from:
                 self.initialise_from(self.config.training.init_from)
             return
-        self.state = TrainState(**client_state["train_state"])
-        # DeepSpeed does not restore a changed batch size: re-apply the one in force when the checkpoint was taken.
-        if self.state.global_batch and self.state.global_batch != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(self.state.global_batch)
+        client_state, rank_state = loaded
+        self._restore(client_state, rank_state)
         self.logger.info(f"resumed from {directory} at step {self.state.step}, {self.state.consumed_tokens:,} tokens, "
                          f"{self.state.consumed_samples:,} samples")
 
+    def _restore(self, client_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        self.state = TrainState(**client_state["train_state"])
+        self.spike_guard.load_state_dict(rank_state.get("spike_guard", {}))
+        if client_state.get("noise_scale"):
+            self.noise_scale.load_state_dict(client_state["noise_scale"])
+        if self.noise_scale_schedule is not None and client_state.get("noise_scale_schedule"):
+            self.noise_scale_schedule.load_state_dict(client_state["noise_scale_schedule"])
+        # DeepSpeed does not restore a changed batch size: re-apply the one in force when the checkpoint was taken.
+        if self.state.global_batch and self.state.global_batch != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(self.state.global_batch)
+
+    def rollback(self) -> None:
+        """Reload the latest checkpoint and jump the data over everything from there to the spike."""
+        directory = self.config.training.save
+        spiked_at = self.state
+        loaded = checkpoint.load_checkpoint(self.engine, directory) if directory else None
+        if loaded is None:
+            raise TrainingStopped(f"a loss spike at step {spiked_at.step} asked for a rollback, but there is no "
+                                  f"checkpoint in training.save ({directory}) to roll back to")
+        if spiked_at.rollbacks >= self.spike_guard.config.max_rollbacks:
+            raise TrainingStopped(f"stopping: a loss spike at step {spiked_at.step} after "
+                                  f"{spiked_at.rollbacks} rollbacks (training.spike_guard.max_rollbacks): the spikes "
+                                  f"come back whatever data is skipped; lower the learning rate or inspect the run")
+        self._restore(*loaded)
+        self.state.skipped_samples = spiked_at.data_position - self.state.consumed_samples
+        self.state.rollbacks = spiked_at.rollbacks + 1
+        self.logger.log("rollback", {"step": self.state.step, "consumed_tokens": self.state.consumed_tokens,
+                                     "spike_step": spiked_at.step, "skipped_samples": self.state.skipped_samples,
+                                     "data_position": self.state.data_position})
 
     def initialise_from(self, directory: str) -> None:
         """Weights only (fresh optimizer); the schedules start at the import's start_tokens, the data at sample 0."""

@@ -1,0 +1,76 @@
+"""Launch train.py as users do (the deepspeed launcher, 4 CPU processes, TP 2 x PP 2) and read what it logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.distributed import free_port
+from training.metrics_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+# A ramp 4 -> 8 -> 12 -> 16 (micro-batch 2, DP 1) over the first steps; warmup and cosine inside the run;
+# a checkpoint every 4 steps.
+OVERRIDES = [
+    "model.num_layers=2", "model.seq_length=32", "train_micro_batch_size_per_gpu=2", "train_batch_size=16",
+    "schedule.batch.start=4", "schedule.batch.increment=4", "schedule.batch.ramp_tokens=1536",
+    "schedule.warmup_tokens=1024", "schedule.decay_tokens=4096", "schedule.train_tokens=1000000",
+    "training.log_interval=1", "training.eval_interval=0", "training.eval_iters=0", "training.save_interval=4",
+]
+
+
+def launcher_env(faults: dict | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("MTNLG_FAULTS", None)
+    if faults:
+        env["MTNLG_FAULTS"] = json.dumps(faults)
+    return env
+
+
+def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = ()) -> list[str]:
+    sets = [*OVERRIDES, f"training.save={save}", f"training.max_steps={max_steps}",
+            f"data.blend=[[1.0, \"{data_prefix}\"]]", f"data.cache_dir=\"{save.parent / 'index-cache'}\"", *extra]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port",
+               str(free_port()), "train.py", "--ds_config", "ds_configs/tiny-cpu.json"]
+    for item in sets:
+        command += ["--set", item]
+    return command
+
+
+def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
+                 faults: dict | None = None, expect_success: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_command(data_prefix, save, max_steps, extra), cwd=ROOT, env=launcher_env(faults),
+                            capture_output=True, text=True, timeout=600)
+    if expect_success:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def preprocess_corpus(out: Path) -> Path:
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(ROOT / "data/corpus/botchan.jsonl"),
+                    "--output-prefix", str(out / "demo"), "--append-eod", "--workers", "1", "--no-progress"],
+                   cwd=ROOT, check=True, capture_output=True)
+    return out / "demo_text_document"
+
+
+def trajectory(save: Path) -> list[tuple]:
+    """(step, loss, lr, global batch, micro-batches, tokens) of every step, the last record of each."""
+    return [(r["step"], r["loss"], r["lr"], r["global_batch"], r["micro_batches"], r["consumed_tokens"])
+            for r in read_metrics(save / "metrics.jsonl")]
+
+
+def final_weights(save: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every layer file of the latest checkpoint (each TP rank's shard), read without pickle."""
+    tag = (save / "latest").read_text()
+    return {path.name: torch.load(path, weights_only=True) for path in sorted((save / tag).glob("layer_*.pt"))}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name]) for name in a)

@@ -1,0 +1,125 @@
+"""Every invalid run configuration we can name is refused before any process group or model exists,
+with a message that names the field and says what to do."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from training.config import parse_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())  # TP 2 x PP 2, micro 4, batch 8 -> 32 by 8
+
+
+def changed(path: str, value, base: dict | None = None) -> dict:
+    """A copy of the base config with one dotted field set (value DELETE removes it)."""
+    raw = copy.deepcopy(base or BASE)
+    node = raw
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is DELETE:
+        node.pop(leaf)
+    else:
+        node[leaf] = value
+    return raw
+
+
+DELETE = object()
+WORLD = 4  # TP 2 x PP 2 x DP 1
+
+CASES = [
+    # parallel sizes
+    ("parallelism.tensor_parallel_size", 3, WORLD, "model.num_attention_heads (4) is not divisible by parallelism.tensor_parallel_size (3)"),
+    ("parallelism.tensor_parallel_size", 0, WORLD, "parallelism.tensor_parallel_size must be a positive integer"),
+    ("parallelism.pipeline_parallel_size", 3, WORLD, "model.num_layers (4) cannot be split evenly over parallelism.pipeline_parallel_size (3)"),
+    ("parallelism.pipeline_parallel_size", -1, WORLD, "parallelism.pipeline_parallel_size must be a positive integer"),
+    ("parallelism.tensor_parallel_size", 2, 6, "world size 6 is not divisible by tensor_parallel_size (2) x pipeline_parallel_size (2) = 4"),
+    ("parallelism.partitions", 2, WORLD, "unknown key(s) ['partitions'] in block \"parallelism\""),
+    # batch sizes and the ramp
+    ("train_micro_batch_size_per_gpu", 3, WORLD, "global batch sizes of the ramp are not multiples of micro-batch x data-parallel size = 3 x 1 = 3: 8, 16, 32"),
+    ("train_micro_batch_size_per_gpu", 4, 12, "global batch sizes of the ramp are not multiples of micro-batch x data-parallel size = 4 x 3 = 12: 8, 16, 32"),
+    ("train_batch_size", 0, WORLD, "\"train_batch_size\" must be a positive integer"),
+    ("train_micro_batch_size_per_gpu", DELETE, WORLD, "\"train_micro_batch_size_per_gpu\" must be a positive integer"),
+    ("schedule.batch.start", 64, WORLD, "schedule.batch.start (64) is larger than the full batch train_batch_size (32)"),
+    ("schedule.batch.increment", 5, WORLD, "is not a whole number of schedule.batch.increment (5) steps"),
+    ("schedule.batch.increment", 0, WORLD, "schedule.batch.increment must be a positive integer"),
+    ("schedule.batch.ramp_tokens", -5, WORLD, "schedule.batch.ramp_tokens must be >= 0"),
+    ("schedule.batch.type", "exponential", WORLD, "schedule.batch.type 'exponential' is not known"),
+    ("schedule.batch.end", 64, WORLD, "unknown key(s) ['end'] in schedule.batch of type 'ramp'"),
+    ("gradient_accumulation_steps", 4, WORLD, "DeepSpeed key \"gradient_accumulation_steps\" is not used here"),
+    # learning-rate schedule
+    ("schedule.warmup_tokens", -1, WORLD, "schedule.warmup_tokens must be >= 0"),
+    ("schedule.warmup_tokens", 1e9, WORLD, "schedule.warmup_tokens (1e+09) is longer than schedule.decay_tokens (225000)"),
+    ("schedule.decay_tokens", 0, WORLD, "schedule.warmup_tokens (20480) is longer than schedule.decay_tokens (0)"),
+    ("schedule.lr", 0, WORLD, "schedule.lr must be positive"),
+    ("schedule.lr", -3e-4, WORLD, "schedule.lr must be positive"),
+    ("schedule.min_lr_ratio", 1.5, WORLD, "schedule.min_lr_ratio must be in [0, 1]"),
+    ("schedule.train_tokens", 0, WORLD, "schedule.train_tokens must be positive"),
+    ("schedule.cooldown_tokens", 1e6, WORLD, "unknown key(s) ['cooldown_tokens'] in block \"schedule\""),
+    ("scheduler", {"type": "WarmupLR"}, WORLD, "DeepSpeed key \"scheduler\" is not used here"),
+    ("optimizer.params.lr", 1e-3, WORLD, "optimizer.params.lr (0.001) differs from schedule.lr (0.003)"),
+    # model
+    ("model.max_position_embeddings", 32, WORLD, "model.seq_length (64) is longer than model.max_position_embeddings (32)"),
+    ("model.hidden_size", 66, WORLD, "model.hidden_size (66) is not divisible by model.num_attention_heads (4)"),
+    ("model.num_layers", 0, WORLD, "model.num_layers must be a positive integer"),
+    ("model.hidden_dropout", 1.5, WORLD, "model.hidden_dropout must be in [0, 1)"),
+    ("model.attention_dropout", -0.1, WORLD, "model.attention_dropout must be in [0, 1)"),
+    ("model.precision", "fp8", WORLD, "model.precision must be one of"),
+    ("model.activation", "relu", WORLD, "model.activation must be one of"),
+    ("model.ffn_hidden_size", 255, WORLD, "model.ffn_hidden_size (255) is not divisible by parallelism.tensor_parallel_size (2)"),
+    ("model.vocab_size", 32000, WORLD, "model.vocab_size (32000) is smaller than the tokenizer's"),
+    ("model.preset", "7b", WORLD, "unknown model preset '7b'"),
+    ("model.num_heads", 8, WORLD, "unknown key(s) ['num_heads'] in block \"model\""),
+    ("model.layernorm_epsilon", 0, WORLD, "model.layernorm_epsilon must be positive"),
+    ("bf16", {"enabled": True}, WORLD, "model.precision is 'fp32' but the DeepSpeed sections enable bf16"),
+    ("fp16", {"enabled": True}, WORLD, "model.precision is 'fp32' but the DeepSpeed sections enable fp16"),
+    # data and training
+    ("data.blend", [[0, "x"]], WORLD, "data.blend[0] must be [positive weight, \"path/prefix\"]"),
+    ("data.blend", [["x", 1.0]], WORLD, "data.blend[0] must be [positive weight, \"path/prefix\"]"),
+    ("data.split", "a,b", WORLD, "data.split: split 'a,b': give up to three non-negative numbers"),
+    ("data.paths", ["x"], WORLD, "unknown key(s) ['paths'] in block \"data\""),
+    ("training.log_interval", 0, WORLD, "training.log_interval must be positive"),
+    ("training.save_interval", -1, WORLD, "training.save_interval must be >= 0"),
+    ("training.save", None, WORLD, "training.save_interval is set but training.save (the checkpoint directory) is not"),
+    ("training.max_consecutive_skips", 0, WORLD, "training.max_consecutive_skips must be >= 1"),
+    ("training.spike_guard", {"enabled": True, "window": 1}, WORLD, "training.spike_guard.window must be >= 2"),
+    ("training.spike_guard", {"enabled": True, "typo": 1}, WORLD, "unknown key(s) ['typo'] in block \"training.spike_guard\""),
+    ("training.spike_guard", {"enabled": True, "max_rollbacks": 0}, WORLD, "training.spike_guard.max_rollbacks must be >= 1"),
+    ("training.checkpoint_dir", "x", WORLD, "unknown key(s) ['checkpoint_dir'] in block \"training\""),
+]
+
+
+def test_there_are_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("field, value, world_size, message", CASES, ids=[f"{c[0]}={c[1]!r}" for c in CASES])
+def test_invalid_config_is_refused_naming_the_field(field, value, world_size, message):
+    raw = changed(field, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_run_config(raw).check_world(world_size)
+    assert not dist.is_initialized()  # refused before any process group (or model) exists
+
+
+def test_the_shipped_configs_are_valid():
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        config = parse_run_config(json.loads(path.read_text()), source=str(path))
+        world = config.parallelism.model_parallel_size * (16 if path.stem == "530b" else 1)
+        config.check_world(world)
+
+
+def test_train_py_refuses_before_starting_processes():
+    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/tiny-cpu.json", "--set",
+                             "parallelism.tensor_parallel_size=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "model.num_attention_heads (4) is not divisible by parallelism.tensor_parallel_size (3)" in result.stderr
+    assert "deepspeed" not in result.stderr.lower()  # nothing was initialised

@@ -1,0 +1,164 @@
+"""Faults survived and bad input refused, on the real launcher and 4 CPU processes (TP 2 x PP 2, fp32).
+
+Every recovery is compared with the uninterrupted reference run (``straight_run``: 12 steps, checkpoints at 4, 8, 12):
+after the same total steps the losses, learning rates and batch sizes, and the final weights, are bitwise equal.
+Faults that cannot be caused from outside at a precise moment are injected with MTNLG_FAULTS (training/faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.launch import (
+    ROOT,
+    STEPS,
+    final_weights,
+    launcher_env,
+    run_training,
+    same_weights,
+    train_command,
+    trajectory,
+)
+from training.metrics_log import read_metrics
+
+SIGTERM_DEADLINE_S = 30  # the deepspeed launcher kills ranks that have not exited 30 s after it forwards a SIGTERM
+
+pytestmark = pytest.mark.distributed
+
+
+def start_training(corpus: Path, save: Path, faults: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(train_command(corpus, save), cwd=ROOT, env=launcher_env(faults), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(process: subprocess.Popen, save: Path, step: int, timeout_s: float = 300) -> None:
+    metrics, deadline = save / "metrics.jsonl", time.monotonic() + timeout_s
+    while not (metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics))):
+        assert process.poll() is None, f"training ended before step {step}:\n{process.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s} s"
+        time.sleep(0.1)
+
+
+def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The training ranks (the deepspeed launcher passes them --local_rank=N)."""
+    children = psutil.Process(launcher.pid).children(recursive=True)
+    ranks = [p for p in children if any(arg.startswith("--local_rank") for arg in p.cmdline())]
+    assert len(ranks) == 4, [p.cmdline() for p in children]
+    return ranks
+
+
+def latest(save: Path) -> str:
+    return (save / "latest").read_text()
+
+
+def assert_resumes_to_the_reference(corpus: Path, save: Path, reference: Path) -> None:
+    result = run_training(corpus, save)
+    assert "resumed from" in result.stdout
+    assert trajectory(save) == trajectory(reference)
+    assert same_weights(final_weights(save), final_weights(reference))
+
+
+def test_sigterm_checkpoints_exits_0_within_the_deadline_and_resumes_exactly(corpus, straight_run, tmp_path):
+    save = tmp_path / "checkpoints"
+    process = start_training(corpus, save)
+    wait_for_step(process, save, 2)
+    signalled = time.monotonic()
+    for rank in rank_processes(process):  # as a scheduler's pre-emption notice reaches every task
+        rank.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    elapsed = time.monotonic() - signalled
+    assert process.returncode == 0, output[-3000:]
+    assert elapsed < SIGTERM_DEADLINE_S, f"{elapsed:.1f} s from SIGTERM to exit"
+    stopped_at = int(latest(save).removeprefix("global_step"))
+    assert 2 <= stopped_at < STEPS and "stop requested by a signal" in output
+    assert_resumes_to_the_reference(corpus, save, straight_run)
+
+
+def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes_exactly(corpus, straight_run, tmp_path):
+    save = tmp_path / "checkpoints"
+    process = start_training(corpus, save)
+    wait_for_step(process, save, 5)
+    rank_processes(process)[3].send_signal(signal.SIGKILL)  # the last stage's second TP rank, mid-step
+    process.communicate(timeout=120)
+    assert process.returncode != 0  # the launcher saw the dead rank and ended the others
+    assert latest(save) in ("global_step4", "global_step8")
+    assert_resumes_to_the_reference(corpus, save, straight_run)
+
+
+def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_latest(corpus, straight_run, tmp_path):
+    save = tmp_path / "checkpoints"
+    result = run_training(corpus, save, faults={"kill_in_checkpoint": 8}, expect_success=False)
+    assert result.returncode != 0
+    assert latest(save) == "global_step4" and (save / "global_step8").is_dir()  # step 8 was partly written
+    assert_resumes_to_the_reference(corpus, save, straight_run)
+
+
+def test_a_failed_checkpoint_write_is_a_clear_error(corpus, tmp_path):
+    save = tmp_path / "checkpoints"
+    result = run_training(corpus, save, faults={"checkpoint_oserror": 8}, expect_success=False)
+    assert result.returncode != 0
+    assert latest(save) == "global_step4"
+    assert (f"could not write checkpoint {save / 'global_step8'}: No space left on device. latest still names "
+            "global_step4") in result.stderr
+
+
+def test_an_unwritable_checkpoint_directory_fails_at_start_up(corpus, tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    result = run_training(corpus, tmp_path / "a_file" / "checkpoints", expect_success=False)
+    assert result.returncode != 0
+    assert f"training.save: cannot write checkpoints to {tmp_path / 'a_file' / 'checkpoints'}" in result.stderr
+    assert "choose a writable directory" in result.stderr
+
+
+def skip_records(save: Path) -> list[dict]:
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "skip"]
+
+
+def test_non_finite_losses_are_skipped_counted_and_stop_the_run_after_k(corpus, straight_run, tmp_path):
+    save = tmp_path / "checkpoints"
+    result = run_training(corpus, save, extra=["training.max_consecutive_skips=3"],
+                          faults={"poison_steps": [5, 7, 8, 9]}, expect_success=False)
+    assert result.returncode != 0
+    assert "stopping: 3 consecutive steps were skipped (training.max_consecutive_skips = 3), the last at step 9 " \
+           "on samples [56, 72)" in result.stderr
+    skips = skip_records(save)
+    assert [(s["step"], s["first_sample"], s["last_sample"], s["skipped_steps"]) for s in skips] == [
+        (5, 16, 23, 1), (7, 32, 43, 2), (8, 44, 55, 3), (9, 56, 71, 4)]  # the batch positions of the ramp 4,4,4,4,8,8,12,12,16
+    assert all("non-finite loss" in s["reason"] for s in skips)
+    steps = trajectory(save)
+    assert steps[:4] == trajectory(straight_run)[:4]  # nothing changed before the first poisoned batch
+    assert steps[5][1] != trajectory(straight_run)[5][1]  # step 6 runs on the weights of step 4: step 5 was not applied
+
+
+def test_the_spike_guard_skips_a_spike(corpus, tmp_path):
+    save = tmp_path / "checkpoints"
+    guard = 'training.spike_guard={"enabled": true, "window": 4, "threshold_std": 3.0, "min_increase": 0.05}'
+    run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]})  # step 10's batch
+    skips = skip_records(save)
+    assert [(s["step"], s["first_sample"], s["last_sample"]) for s in skips] == [(10, 72, 87)]
+    assert "loss spike" in skips[0]["reason"]
+    records = read_metrics(save / "metrics.jsonl")
+    assert records[-1]["step"] == STEPS and records[-1]["skipped_steps"] == 1
+
+
+def test_the_spike_guard_rolls_back_and_skips_the_data(corpus, tmp_path):
+    save = tmp_path / "checkpoints"
+    guard = ('training.spike_guard={"enabled": true, "window": 4, "threshold_std": 3.0, "min_increase": 0.05, '
+             '"rollback": true}')
+    result = run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]})  # step 10's batch
+    rollbacks = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(line)["kind"] == "rollback"]
+    # back to the step-8 checkpoint (56 samples), the data jumps to after the spike's batch (88): 32 samples skipped
+    assert [(r["step"], r["spike_step"], r["skipped_samples"], r["data_position"]) for r in rollbacks] == [
+        (8, 10, 32, 88)]
+    final = read_metrics(save / "metrics.jsonl")[-1]
+    assert final["step"] == STEPS and final["rollbacks"] == 1 and final["skipped_samples"] == 32
+    assert "rollback" in result.stdout

@@ -1,0 +1,105 @@
+"""Bad data is refused at start-up, before any process group or model exists; nothing is unpickled blindly."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.indexed_dataset import IndexedDatasetBuilder
+from training.config import parse_run_config
+from training.data import check_datasets
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for folder in ("model", "data", "training", "tools") for p in (ROOT / folder).rglob("*.py")] + [
+    ROOT / "train.py"]
+
+
+def config_with(prefix: Path):
+    raw = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    raw["data"]["blend"] = [[1.0, str(prefix)]]
+    return parse_run_config(raw)
+
+
+@pytest.fixture
+def dataset(corpus, tmp_path) -> Path:
+    """A private copy of the tokenised corpus, to damage."""
+    for suffix in (".bin", ".idx"):
+        shutil.copy(str(corpus) + suffix, str(tmp_path / "copy") + suffix)
+    return tmp_path / "copy"
+
+
+def test_a_good_dataset_passes(dataset):
+    check_datasets(config_with(dataset))
+
+
+def test_a_missing_dataset_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"dataset file {tmp_path / 'nowhere'}.idx does not exist: preprocess"):
+        check_datasets(config_with(tmp_path / "nowhere"))
+
+
+def test_a_truncated_bin_is_named(dataset):
+    bin_file = Path(str(dataset) + ".bin")
+    bin_file.write_bytes(bin_file.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=str(bin_file)):
+        check_datasets(config_with(dataset))
+
+
+def test_a_corrupted_idx_is_named(dataset):
+    idx_file = Path(str(dataset) + ".idx")
+    idx_file.write_bytes(b"NOTMMIDX" + idx_file.read_bytes()[8:])
+    with pytest.raises(ValueError, match=str(idx_file)):
+        check_datasets(config_with(dataset))
+
+
+def test_a_dataset_with_a_larger_vocabulary_is_refused(tmp_path):
+    prefix = tmp_path / "big_vocab"
+    with IndexedDatasetBuilder(prefix, dtype=np.int32) as builder:
+        for document in ([1, 2, 3], [60_000, 5, 50_257]):
+            builder.add_item(document)
+            builder.end_document()
+    with pytest.raises(ValueError, match=r"token id 60000 does not fit the model's vocabulary of 50257"):
+        check_datasets(config_with(prefix))
+
+
+def test_train_py_stops_at_start_up_on_bad_data(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/tiny-cpu.json", "--data-path",
+                             str(tmp_path / "missing_text_document"), "--set", f"training.save={tmp_path / 'ck'}",
+                             "--set", "parallelism.tensor_parallel_size=1", "--set", "parallelism.pipeline_parallel_size=1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"dataset file {tmp_path / 'missing_text_document'}.idx does not exist" in result.stderr
+    assert not (tmp_path / "ck").exists()  # nothing was started
+
+
+def _calls(name: str):
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == name:
+                yield path, node
+
+
+def test_every_torch_load_is_weights_only():
+    """DeepSpeed's engine.load_checkpoint reads its own optimizer files with weights_only=False (they hold Python
+    objects); every file this project reads itself is loaded weights_only=True."""
+    calls = list(_calls("torch.load"))
+    assert calls
+    for path, node in calls:
+        keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+        assert keywords.get("weights_only") == "True", f"{path}:{node.lineno}"
+
+
+def test_numpy_never_unpickles_and_no_remote_code():
+    for path, node in _calls("np.load"):
+        assert {k.arg: ast.unparse(k.value) for k in node.keywords}.get("allow_pickle") == "False", f"{path}:{node.lineno}"
+    for path in SOURCES:
+        text = path.read_text()
+        assert "trust_remote_code=True" not in text, path
+        assert "import pickle" not in text and "pickle.load" not in text, path

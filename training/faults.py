@@ -1,0 +1,66 @@
+"""Fault injection for the reliability tests, off unless MTNLG_FAULTS is set (a JSON object).
+
+    {"poison_steps": [5, 6]}        loss masks of those steps' micro-batches are NaN: a non-finite loss
+    {"garbage_samples": [72, 88]}   samples [72, 88) of the data order are random ids from the last 256 of the
+                                    vocabulary (rare tokens the model has learnt to expect little): a real loss
+                                    spike, bound to the data (a rollback that skips those samples escapes it)
+    {"kill_in_checkpoint": 8}       global rank 1 is SIGKILLed after writing its part of checkpoint 8, before `latest`
+    {"checkpoint_oserror": 8}       global rank 0 fails writing checkpoint 8 with ENOSPC ("no space left on device")
+
+Steps are 1-based optimizer steps, as logged.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+ENVIRONMENT_VARIABLE = "MTNLG_FAULTS"
+
+
+@dataclass
+class FaultPlan:
+    poison_steps: list[int] = field(default_factory=list)
+    garbage_samples: list[int] = field(default_factory=list)
+    kill_in_checkpoint: int | None = None
+    checkpoint_oserror: int | None = None
+
+    @classmethod
+    def from_environment(cls) -> FaultPlan:
+        text = os.environ.get(ENVIRONMENT_VARIABLE)
+        return cls(**json.loads(text)) if text else cls()
+
+    def before_checkpoint_commit(self, step: int, rank: int) -> None:
+        """Called by every rank after writing its checkpoint files, before `latest` moves."""
+        if self.kill_in_checkpoint == step and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.checkpoint_oserror == step and rank == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FaultyLoader:
+    """Wraps a micro-batch loader; the trainer sets ``step`` (the step being run) before each train_batch."""
+
+    def __init__(self, loader: Iterator, plan: FaultPlan, vocab_size: int) -> None:
+        self.loader, self.plan, self.vocab_size, self.step = loader, plan, vocab_size, 0
+
+    def __iter__(self) -> FaultyLoader:
+        return self
+
+    def __next__(self):
+        first_sample = self.loader.consumed_samples  # data position of this micro-batch (all DP ranks together)
+        (tokens, positions), (labels, loss_mask) = next(self.loader)
+        if self.step in self.plan.poison_steps:
+            loss_mask = torch.full_like(loss_mask, float("nan"))
+        if self.plan.garbage_samples and self.plan.garbage_samples[0] <= first_sample < self.plan.garbage_samples[1]:
+            generator = torch.Generator().manual_seed(first_sample)
+            rare = (self.vocab_size - 256, self.vocab_size)
+            tokens = torch.randint(*rare, tokens.shape, generator=generator)
+            labels = torch.randint(*rare, labels.shape, generator=generator)
+        return (tokens, positions), (labels, loss_mask)

@@ -1,0 +1,345 @@
+"""The gradient noise scale, measured online (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
+appendix A.1), and a global-batch schedule driven by it.
+
+What is measured
+    Every data-parallel step has two batch sizes for free:
+        B_small = micro-batch x gradient-accumulation steps   (the samples one DP replica accumulated)
+        B_big   = B_small x DP                                  (the global batch)
+    |G_small|^2 = squared norm of one replica's accumulated gradient, before the DP reduction, summed over the
+                  tensor- and pipeline-parallel shards, then averaged over the DP replicas;
+    |G_big|^2   = squared norm of the DP-reduced gradient, before clipping (DeepSpeed's global gradient norm).
+    For gradients that are means over B i.i.d. samples, E|G_B|^2 = |G|^2 + tr(Sigma) / B, hence the unbiased
+        |G|^2     ~= (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+        tr(Sigma) ~= (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+    Each is a noisy single-step estimate; both are smoothed by an exponential moving average (with Adam's bias
+    correction) BEFORE the ratio B_simple = tr(Sigma) / |G|^2 is taken (a ratio of averages, not an average of
+    ratios, which the noisy and sometimes negative |G|^2 estimate would wreck). With DP = 1, B_small == B_big and
+    nothing can be measured.
+
+    The "sample" here is one sequence: a micro-batch loss is the masked mean over its tokens, so B_simple counts
+    sequences, the unit of DeepSpeed's train_batch_size.
+
+Where the gradients are, in DeepSpeed 0.19.8's PipelineEngine
+    The last command of a training batch is [ReduceTiedGrads, ReduceGrads, OptimizerStep] on every stage
+    (``runtime/pipe/schedule.py``). ``PipelineEngine._exec_schedule`` dispatches through ``self._INSTRUCTION_MAP``;
+    ``NoiseScaleMonitor`` gives the engine instance its own copy of that map whose ReduceGrads handler first takes
+    this rank's squared norm, then runs DeepSpeed's ``_exec_reduce_grads`` (the DP all-reduce). At that moment:
+      * DeepSpeed has scaled each micro-batch loss by 1 / gradient_accumulation_steps (``_scale_loss_by_gas``), so
+        the accumulated gradient is the mean over the replica's B_small samples;
+      * ReduceTiedGrads has already summed the tied word embedding's gradient over the first and last stage, so
+        the first stage's copy holds the whole gradient of that weight (the last stage's copy carries
+        ``ds_pipe_replicated = True`` and is skipped, as DeepSpeed's own norm skips it);
+      * (a) fp32 + ZeRO-1 (``DeepSpeedZeroOptimizer``, no partitioned gradients): the accumulated gradients are
+        ``param.grad`` (``param.grad_accum`` when the optimizer keeps a separate accumulation dtype;
+        ``optimizer.get_gradient_for_reduction`` picks the right one). Its backward hooks reduce nothing before
+        the boundary: the pipeline engine reports a gradient-accumulation boundary only inside ReduceGrads /
+        OptimizerStep (``_force_grad_boundary``). ``reduce_gradients`` then copies them into the flat partition
+        and sets ``param.grad = None``: after ReduceGrads they are gone, hence the hook;
+      * (b) bf16 + ``data_types.grad_accum_dtype = fp32`` + ZeRO-1 runs ``BF16_Optimizer`` instead: after every
+        backward (``update_hp_grads``, or per-parameter hooks with ``immediate_grad_update``) the bf16 gradient is
+        added into fp32 buffers, ``optimizer.fp32_groups_gradients[group][index]`` (views of
+        ``fp32_groups_gradients_flat``, also reachable as ``param._hp_grad``); ``_bf16_reduce_grads`` all-reduces
+        those flat buffers. The bf16 ``param.grad`` is not the accumulated gradient and is not read.
+    Both are verified by tests/test_noise_scale.py on 4 CPU processes (PP 2 x DP 2, gloo): for (a) the hooked
+    |G_small|^2 and |G_big|^2 equal those of per-replica gradients materialised by a single-process PyTorch model
+    to 1e-5; for (a) and (b) the squared norm of the DP mean of exactly the tensors the hook read equals
+    DeepSpeed's own global norm squared (so the hook reads the buffers DeepSpeed then reduces and norms), and (b)
+    agrees with the fp32 reference to bf16 accuracy.
+
+    Which parameters count (DeepSpeed's norm rules, ``get_grad_norm_direct`` / ``BF16_Optimizer.get_grads_for_norm``):
+    a ``tensor_model_parallel`` parameter on every TP rank, a replicated one on TP rank 0 only, one with
+    ``ds_pipe_replicated`` not at all. The per-rank squares are summed over the whole world in the one extra
+    collective of a step (a 2-element all-reduce after ``train_batch``, never inside DeepSpeed's schedule), and
+    divided by DP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from model.parallel import ParallelContext, device
+
+
+class GradientNoiseScale:
+    """The estimator of appendix A.1, with exponential moving averages of |G|^2 and tr(Sigma). No communication.
+
+    ``update`` takes one step's batch sizes and squared norms; ``noise_scale`` is B_simple = tr(Sigma) / |G|^2 from
+    the bias-corrected averages (None before the first update, or while the averaged |G|^2 is not positive: the
+    gradient is then indistinguishable from noise at these batch sizes).
+    """
+
+    def __init__(self, beta: float = 0.99) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"the noise-scale moving-average beta must be in [0, 1), got {beta}")
+        self.beta = beta
+        self.updates = 0
+        self.ema_gradient_squared = 0.0  # biased EMA of the |G|^2 estimates
+        self.ema_trace = 0.0  # biased EMA of the tr(Sigma) estimates
+
+    @staticmethod
+    def single_step(small_batch: float, small_squared: float, big_batch: float,
+                    big_squared: float) -> tuple[float, float]:
+        """Unbiased one-step estimates (|G|^2, tr(Sigma)) from the two batch sizes."""
+        if not 0 < small_batch < big_batch:
+            raise ValueError(f"the noise scale needs 0 < B_small < B_big, got B_small = {small_batch}, "
+                             f"B_big = {big_batch} (B_small == B_big when data parallelism is 1)")
+        gradient_squared = (big_batch * big_squared - small_batch * small_squared) / (big_batch - small_batch)
+        trace = (small_squared - big_squared) / (1.0 / small_batch - 1.0 / big_batch)
+        return gradient_squared, trace
+
+    def update(self, small_batch: float, small_squared: float, big_batch: float, big_squared: float) -> bool:
+        """Fold in one step; returns False (and changes nothing) if a squared norm is not finite (a skipped step)."""
+        if not (math.isfinite(small_squared) and math.isfinite(big_squared)):
+            return False
+        gradient_squared, trace = self.single_step(small_batch, small_squared, big_batch, big_squared)
+        self.ema_gradient_squared = self.beta * self.ema_gradient_squared + (1.0 - self.beta) * gradient_squared
+        self.ema_trace = self.beta * self.ema_trace + (1.0 - self.beta) * trace
+        self.updates += 1
+        return True
+
+    def _bias_correction(self) -> float:
+        return 1.0 - self.beta ** self.updates
+
+    @property
+    def gradient_squared(self) -> float | None:
+        """Smoothed |G|^2 (the true gradient's squared norm)."""
+        return self.ema_gradient_squared / self._bias_correction() if self.updates else None
+
+    @property
+    def trace(self) -> float | None:
+        """Smoothed tr(Sigma) (the per-sample gradient covariance's trace)."""
+        return self.ema_trace / self._bias_correction() if self.updates else None
+
+    @property
+    def noise_scale(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2, in samples."""
+        if not self.updates or self.ema_gradient_squared <= 0.0:
+            return None
+        return self.ema_trace / self.ema_gradient_squared  # the bias corrections cancel
+
+    def state_dict(self) -> dict[str, float | int]:
+        """Plain floats and ints (checkpoints stay loadable with weights_only=True)."""
+        return {"updates": self.updates, "ema_gradient_squared": self.ema_gradient_squared, "ema_trace": self.ema_trace}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """The averages continue with this estimator's beta (the configured one, if a resumed run changed it)."""
+        self.updates = int(state["updates"])
+        self.ema_gradient_squared = float(state["ema_gradient_squared"])
+        self.ema_trace = float(state["ema_trace"])
+
+
+def counts_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int) -> bool:
+    """DeepSpeed's rule for the global norm: TP shards on every TP rank, replicated parameters on TP rank 0 only,
+    pipeline-replicated copies (the tied embedding on the last stage) never."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    sharded = getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
+    return bool(sharded) or tensor_parallel_rank == 0
+
+
+def accumulated_gradients(optimizer: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    """(parameter, this replica's accumulated gradient) before the DP reduction, for DeepSpeed's ZeRO-1 and
+    BF16 optimizers (see the module docstring for where each keeps them)."""
+    if hasattr(optimizer, "fp32_groups_gradients") and hasattr(optimizer, "bf16_groups"):  # BF16_Optimizer
+        return [(param, optimizer.fp32_groups_gradients[i][j])
+                for i, group in enumerate(optimizer.bf16_groups) for j, param in enumerate(group)]
+    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "get_gradient_for_reduction"):  # ZeRO 1/2
+        if getattr(optimizer, "partition_gradients", False):
+            raise ValueError("the noise scale needs the whole local gradient before the data-parallel reduction; "
+                             "ZeRO stage 2 reduces it during backward: use zero_optimization.stage 1")
+        return [(param, optimizer.get_gradient_for_reduction(param))
+                for group in optimizer.bit16_groups for param in group]
+    raise ValueError(f"the noise scale reads the accumulated gradients of DeepSpeed's ZeRO-1 optimizer or its "
+                     f"BF16_Optimizer, not of {type(optimizer).__name__}: set zero_optimization.stage to 1")
+
+
+class NoiseScaleMonitor:
+    """Measures |G_small|^2 and |G_big|^2 at every ``engine.train_batch`` of a DeepSpeed PipelineEngine.
+
+    Construct it after the engine (it hooks the engine instance's ReduceGrads handler); call ``after_step()`` on
+    every rank after each ``train_batch``: it does the step's one extra all-reduce, updates the estimator and returns
+    the fields to log (also kept in ``last``). With DP = 1 it installs nothing, says once why, and reports None.
+    A skipped step (non-finite gradients: fp16 overflow, a NaN loss, the spike guard) leaves the averages as they
+    are: every rank sees the same non-finite sums and skips alike.
+    """
+
+    def __init__(self, engine: Any, ctx: ParallelContext, beta: float = 0.99,
+                 info: Callable[[str], None] | None = None) -> None:
+        self.engine, self.ctx = engine, ctx
+        self.estimator = GradientNoiseScale(beta)
+        self.info = info or _print_on_rank_zero
+        self.enabled = ctx.data_parallel_size > 1
+        self.last: dict[str, float | None] = {"noise_scale": None}
+        self._local_squared: torch.Tensor | None = None
+        if not self.enabled:
+            self.info("gradient noise scale: not measured. It compares one replica's gradient (B_small = "
+                      "micro-batch x accumulation steps) with the data-parallel mean (B_big = B_small x DP); "
+                      "with data parallelism 1 the two batches are the same, B_small == B_big")
+            return
+        accumulated_gradients(engine.optimizer)  # refuse an unsupported optimizer now, not at the first step
+        self._install_hook()
+
+    def _install_hook(self) -> None:
+        from deepspeed.runtime.pipe import schedule
+
+        instructions = dict(self.engine._INSTRUCTION_MAP)  # the class's map, or an instance map already there
+        reduce_grads = instructions[schedule.ReduceGrads]
+        monitor = self
+
+        def measure_then_reduce_grads(engine: Any, **kwargs: Any) -> Any:
+            monitor._local_squared = monitor.local_squared_norm()
+            return reduce_grads(engine, **kwargs)
+
+        instructions[schedule.ReduceGrads] = measure_then_reduce_grads
+        self.engine._INSTRUCTION_MAP = instructions  # _exec_schedule looks it up on the instance
+
+    def counted_gradients(self) -> list[torch.Tensor]:
+        """This rank's accumulated gradients that enter the norm, as they are now (before ReduceGrads)."""
+        rank = self.ctx.tensor_parallel_rank
+        return [grad for param, grad in accumulated_gradients(self.engine.optimizer)
+                if grad is not None and counts_in_norm(param, rank)]
+
+    def local_squared_norm(self) -> torch.Tensor:
+        """This rank's share of the replica's |G_small|^2, loss scaling removed.
+
+        Accumulated in fp64 where the device has it, as DeepSpeed's norms are (``get_norm_dtype``): on CPU an fp32
+        norm of the 3.2M-element embedding gradient is 1.6e-5 (relative) off.
+        """
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        norm_dtype = get_norm_dtype()
+        grads = self.counted_gradients()
+        if not grads:
+            return torch.zeros((), dtype=norm_dtype, device=device())
+        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=norm_dtype) for grad in grads])
+        loss_scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)  # fp16 only; else 1
+        return norms.pow(2).sum() / loss_scale**2
+
+    def after_step(self) -> dict[str, float | None]:
+        """Collective. Reduce the step's squared norms, update the moving averages, return the log fields."""
+        if not self.enabled:
+            return dict(self.last)
+        if self._local_squared is None:
+            raise RuntimeError("NoiseScaleMonitor.after_step() without a train_batch since the last call: the "
+                               "ReduceGrads hook did not run")
+        small_batch = self.engine.train_micro_batch_size_per_gpu() * self.engine.gradient_accumulation_steps()
+        big_batch = self.engine.train_batch_size()
+        global_norm = self.engine.get_global_grad_norm()
+        if global_norm is None:
+            self.enabled = False
+            self.info("gradient noise scale: not measured: DeepSpeed computes no global gradient norm in this "
+                      "configuration (engine.get_global_grad_norm() is None)")
+            return dict(self.last)
+        world = dist.get_world_size()
+        # The world sum of the shards' squares is the sum over replicas of |G_small|^2. |G_big|^2 travels in the
+        # same all-reduce (as a world mean) so that every rank holds the one reduced value and takes the same
+        # batch decisions, whatever rounding each model-parallel group's norm reduction had.
+        squared = self._local_squared
+        sums = torch.stack([squared, torch.tensor(float(global_norm) ** 2 / world, dtype=squared.dtype,
+                                                  device=squared.device)]).to(device())
+        dist.all_reduce(sums)
+        self._local_squared = None
+        small_squared = sums[0].item() / self.ctx.data_parallel_size
+        big_squared = sums[1].item()
+        self.estimator.update(small_batch, small_squared, big_batch, big_squared)
+        self.last = {"noise_scale": self.estimator.noise_scale, "noise_scale_trace": self.estimator.trace,
+                     "noise_scale_gradient_squared": self.estimator.gradient_squared,
+                     "grad_norm_squared_small": small_squared, "grad_norm_squared_big": big_squared,
+                     "noise_scale_small_batch": small_batch}
+        return dict(self.last)
+
+    @property
+    def noise_scale(self) -> float | None:
+        return self.estimator.noise_scale if self.enabled else None
+
+    def state_dict(self) -> dict[str, float | int]:
+        return self.estimator.state_dict()
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.estimator.load_state_dict(state)
+
+
+def _print_on_rank_zero(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+@dataclass
+class NoiseScaleBatchSchedule:
+    """``schedule.batch.type = "noise_scale"``: the global batch follows factor x B_simple.
+
+    Before each step, ``__call__(step, noise_scale)`` returns the global batch:
+        target = floor(factor x B_simple / unit) x unit,  unit = micro-batch x DP (whole micro-batches per replica)
+        batch  = min(end, max(start, target, the current batch))     never decreasing, bounded by start and end
+    and the batch changes only if at least ``interval_steps`` steps have run since the last change (the start of
+    the run counts as one). Without a measurement (None: DP = 1, the first step, or |G|^2 not yet positive) the
+    batch stays where it is.
+    """
+
+    start: int
+    """Global batch of the first steps (schedule.batch.start)."""
+    end: int
+    """The maximum, DeepSpeed's train_batch_size."""
+    micro_batch_size: int
+    data_parallel_size: int
+    factor: float = 1.0
+    """The batch aimed for, as a multiple of the measured B_simple (schedule.batch.factor)."""
+    interval_steps: int = 1
+    """Change the batch at most every this many steps (schedule.batch.interval_steps)."""
+    batch: int = field(init=False)
+    """The batch in force (state)."""
+    last_change_step: int = field(init=False, default=0)
+    """Completed steps when the batch last changed (state)."""
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end", "micro_batch_size", "data_parallel_size", "interval_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"schedule.batch.{name} must be a positive integer, got {value!r}")
+        if not self.factor > 0:
+            raise ValueError(f"schedule.batch.factor must be positive, got {self.factor}")
+        if self.start > self.end:
+            raise ValueError(f"schedule.batch.start ({self.start}) is larger than the full batch "
+                             f"train_batch_size ({self.end})")
+        bad = [f"{name} ({value})" for name, value in (("schedule.batch.start", self.start),
+                                                        ("train_batch_size", self.end)) if value % self.unit]
+        if bad:
+            raise ValueError(f"{' and '.join(bad)} must be {'multiples' if len(bad) > 1 else 'a multiple'} of "
+                             f"micro-batch x data-parallel size = {self.micro_batch_size} x {self.data_parallel_size} "
+                             f"= {self.unit}")
+        self.batch = self.start
+
+    @property
+    def unit(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size
+
+    def target(self, noise_scale: float) -> int:
+        """factor x B_simple rounded down to a multiple of the unit, within [start, end]."""
+        wanted = self.factor * noise_scale
+        rounded = int(wanted // self.unit) * self.unit if math.isfinite(wanted) else self.end
+        return min(self.end, max(self.start, rounded))
+
+    def __call__(self, step: int, noise_scale: float | None) -> int:
+        """The global batch of the step after ``step`` completed steps, given the latest measured B_simple."""
+        if noise_scale is None or step - self.last_change_step < self.interval_steps:
+            return self.batch
+        wanted = max(self.batch, self.target(noise_scale))
+        if wanted != self.batch:
+            self.batch, self.last_change_step = wanted, step
+        return self.batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batch": self.batch, "last_change_step": self.last_change_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        batch = int(state["batch"])
+        if not self.start <= batch <= self.end or batch % self.unit:
+            raise ValueError(f"the checkpoint's noise-scale batch {batch} is not a multiple of {self.unit} within "
+                             f"[schedule.batch.start {self.start}, train_batch_size {self.end}] of this run")
+        self.batch, self.last_change_step = batch, int(state["last_change_step"])
