@@ -57,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    from training.checkpoint import CheckpointWriteError
     from training.run import run
+    from training.trainer import TrainingStopped
 
-    run(config)
+    try:
+        run(config)
+    except (ValueError, TrainingStopped, CheckpointWriteError) as error:
+        print(f"error (rank {os.environ.get('RANK', '0')}): {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
