@@ -144,3 +144,29 @@ def test_bf16_trains_near_fp32(reference):
     # fp32 weights, so only bf16 rounding separates the norms (measured: 3e-3 relative).
     assert abs(ranks[0]["norms"][0] - reference["norms"][0]) < 0.01 * reference["norms"][0]
     torch.testing.assert_close(ranks[0]["norms"], reference["norms"], rtol=0.05, atol=0.05)
+
+
+def _train_fp16(initial_scale_power: int, steps: int):
+    config = model_config(precision="fp16")
+    ds_config = deepspeed_config("fp32")
+    ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": initial_scale_power,
+                         "loss_scale_window": 1000, "hysteresis": 1}
+    engine, ctx = build_engine(config, ParallelConfig(), ds_config, SEED)
+    trace = []
+    for step in range(steps):
+        loss = engine.train_batch(data_iter=micro_batches(step, config.seq_length, 0, 1)).item()
+        trace.append((loss, int(engine.skipped_steps), float(engine.optimizer.cur_scale)))
+    return trace
+
+
+@pytest.mark.distributed
+def test_fp16_loss_scale_overflows_are_skipped_and_counted():
+    """A loss scale of 2^24 overflows fp16: DeepSpeed skips those steps, counts them and halves the scale until the
+    gradients fit; the trainer reads the same engine.skipped_steps for its log."""
+    trace = run_distributed(1, _train_fp16, 24, 10)[0]
+    skipped = [count for _, count, _ in trace]
+    overflows = skipped[-1]
+    assert 0 < overflows < len(trace)
+    assert skipped == [min(step + 1, overflows) for step in range(len(trace))]  # the first steps, one each
+    assert [scale for _, _, scale in trace[:overflows]] == [2.0 ** (23 - i) for i in range(overflows)]
+    assert trace[-1][0] < trace[overflows][0]  # then it trains

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from training.config import load_run_config, parse_run_config
-from training.metrics import flops_per_iteration, tflops_per_gpu
+from training.metrics import flops_per_iteration, mfu, tflops_per_gpu
 from training.schedules import BatchRamp, LearningRateSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +103,8 @@ def test_flops_formula_against_hand_values(recipe):
     assert flops_per_iteration(recipe.model, 1920, 8, recompute=False) == pytest.approx(no_recompute, rel=1e-12)
     # 4480 GPUs at 60 s per iteration: 1.69264e19 / (60 * 4480) = 62.97 TFLOP/s per GPU
     assert tflops_per_gpu(expected, 60.0, 4480) == pytest.approx(62.970, rel=1e-4)
+    assert mfu(tflops_per_gpu(expected, 60.0, 4480), 312.0) == pytest.approx(62.970 / 312, rel=1e-4)  # 20.2% of A100
+    assert mfu(62.97, None) is None  # CPU: no peak, no MFU
 
 
 def test_config_errors_name_the_field():
