@@ -95,7 +95,8 @@ class Trainer:
         self.noise_scale_schedule = config.noise_scale_schedule(ctx.data_parallel_size)
         self.faults = FaultPlan.from_environment()
         self.spike_guard = SpikeGuard(config.training.spike_guard_config())
-        attach_spike_guard(engine, self.spike_guard)
+        if self.spike_guard.config.enabled:  # it reads every micro-batch loss (a device sync): only when asked
+            attach_spike_guard(engine, self.spike_guard)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
