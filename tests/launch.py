@@ -33,10 +33,16 @@ def launcher_env(faults: dict | None = None) -> dict[str, str]:
     return env
 
 
-def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = ()) -> list[str]:
+# Two processes (PP 2) for the tests whose point does not need tensor parallelism: half the start-up cost.
+TWO_PROCESSES = ["parallelism.tensor_parallel_size=1", "parallelism.pipeline_parallel_size=2"]
+
+
+def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
+                  processes: int = 4) -> list[str]:
     sets = [*OVERRIDES, f"training.save={save}", f"training.max_steps={max_steps}",
-            f"data.blend=[[1.0, \"{data_prefix}\"]]", f"data.cache_dir=\"{save.parent / 'index-cache'}\"", *extra]
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port",
+            f"data.blend=[[1.0, \"{data_prefix}\"]]", f"data.cache_dir=\"{save.parent / 'index-cache'}\"",
+            *(TWO_PROCESSES if processes == 2 else []), *extra]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes), "--master_port",
                str(free_port()), "train.py", "--ds_config", "ds_configs/tiny-cpu.json"]
     for item in sets:
         command += ["--set", item]
@@ -44,8 +50,10 @@ def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: 
 
 
 def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                 faults: dict | None = None, expect_success: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data_prefix, save, max_steps, extra), cwd=ROOT, env=launcher_env(faults),
+                 faults: dict | None = None, expect_success: bool = True, processes: int = 4
+                 ) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes), cwd=ROOT,
+                            env=launcher_env(faults),
                             capture_output=True, text=True, timeout=600)
     if expect_success:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

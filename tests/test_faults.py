@@ -102,7 +102,7 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_latest(corpus, st
 
 def test_a_failed_checkpoint_write_is_a_clear_error(corpus, tmp_path):
     save = tmp_path / "checkpoints"
-    result = run_training(corpus, save, faults={"checkpoint_oserror": 8}, expect_success=False)
+    result = run_training(corpus, save, faults={"checkpoint_oserror": 8}, expect_success=False, processes=2)
     assert result.returncode != 0
     assert latest(save) == "global_step4"
     assert (f"could not write checkpoint {save / 'global_step8'}: No space left on device. latest still names "
@@ -111,7 +111,7 @@ def test_a_failed_checkpoint_write_is_a_clear_error(corpus, tmp_path):
 
 def test_an_unwritable_checkpoint_directory_fails_at_start_up(corpus, tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
-    result = run_training(corpus, tmp_path / "a_file" / "checkpoints", expect_success=False)
+    result = run_training(corpus, tmp_path / "a_file" / "checkpoints", expect_success=False, processes=2)
     assert result.returncode != 0
     assert f"training.save: cannot write checkpoints to {tmp_path / 'a_file' / 'checkpoints'}" in result.stderr
     assert "choose a writable directory" in result.stderr
@@ -125,7 +125,7 @@ def skip_records(save: Path) -> list[dict]:
 def test_non_finite_losses_are_skipped_counted_and_stop_the_run_after_k(corpus, straight_run, tmp_path):
     save = tmp_path / "checkpoints"
     result = run_training(corpus, save, extra=["training.max_consecutive_skips=3"],
-                          faults={"poison_steps": [5, 7, 8, 9]}, expect_success=False)
+                          faults={"poison_steps": [5, 7, 8, 9]}, expect_success=False, processes=2)
     assert result.returncode != 0
     assert "stopping: 3 consecutive steps were skipped (training.max_consecutive_skips = 3), the last at step 9 " \
            "on samples [56, 72)" in result.stderr
@@ -133,15 +133,17 @@ def test_non_finite_losses_are_skipped_counted_and_stop_the_run_after_k(corpus, 
     assert [(s["step"], s["first_sample"], s["last_sample"], s["skipped_steps"]) for s in skips] == [
         (5, 16, 23, 1), (7, 32, 43, 2), (8, 44, 55, 3), (9, 56, 71, 4)]  # the batch positions of the ramp 4,4,4,4,8,8,12,12,16
     assert all("non-finite loss" in s["reason"] for s in skips)
-    steps = trajectory(save)
-    assert steps[:4] == trajectory(straight_run)[:4]  # nothing changed before the first poisoned batch
-    assert steps[5][1] != trajectory(straight_run)[5][1]  # step 6 runs on the weights of step 4: step 5 was not applied
+    losses, reference = [s[1] for s in trajectory(save)], [s[1] for s in trajectory(straight_run)]
+    # (PP 2 here, TP 2 x PP 2 in the reference: equal up to the order of fp32 sums)
+    assert losses[:4] == pytest.approx(reference[:4], abs=1e-5)  # nothing changed before the first poisoned batch
+    assert abs(losses[5] - reference[5]) > 1e-3  # step 6 runs on the weights of step 4: step 5 was not applied
+    assert losses[4] != losses[4]  # the poisoned step's loss is NaN
 
 
 def test_the_spike_guard_skips_a_spike(corpus, tmp_path):
     save = tmp_path / "checkpoints"
     guard = 'training.spike_guard={"enabled": true, "window": 4, "threshold_std": 3.0, "min_increase": 0.05}'
-    run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]})  # step 10's batch
+    run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]}, processes=2)  # step 10's batch
     skips = skip_records(save)
     assert [(s["step"], s["first_sample"], s["last_sample"]) for s in skips] == [(10, 72, 87)]
     assert "loss spike" in skips[0]["reason"]
@@ -153,7 +155,8 @@ def test_the_spike_guard_rolls_back_and_skips_the_data(corpus, tmp_path):
     save = tmp_path / "checkpoints"
     guard = ('training.spike_guard={"enabled": true, "window": 4, "threshold_std": 3.0, "min_increase": 0.05, '
              '"rollback": true}')
-    result = run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]})  # step 10's batch
+    result = run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]},  # step 10's batch
+                          processes=2)
     rollbacks = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()
                  if json.loads(line)["kind"] == "rollback"]
     # back to the step-8 checkpoint (56 samples), the data jumps to after the spike's batch (88): 32 samples skipped

@@ -283,7 +283,7 @@ def test_noise_scale_schedule_grows_the_batch_and_resumes_exactly(corpus, tmp_pa
     from training.metrics_log import read_metrics
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_training(corpus, straight, extra=NOISE_SCALE_RUN)
+    run_training(corpus, straight, max_steps=8, extra=NOISE_SCALE_RUN)
     records = read_metrics(straight / "metrics.jsonl")
     batches = [r["global_batch"] for r in records]
     assert batches[0] == 4 and batches == sorted(batches) and batches[-1] > 4  # grows, never shrinks
@@ -291,8 +291,8 @@ def test_noise_scale_schedule_grows_the_batch_and_resumes_exactly(corpus, tmp_pa
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert all(r["noise_scale"] is not None for r in records[1:])  # measured from the first step's reduction on
 
-    run_training(corpus, resumed, max_steps=6, extra=NOISE_SCALE_RUN)
-    run_training(corpus, resumed, extra=NOISE_SCALE_RUN)
+    run_training(corpus, resumed, max_steps=4, extra=NOISE_SCALE_RUN)
+    run_training(corpus, resumed, max_steps=8, extra=NOISE_SCALE_RUN)
     fields = ("step", "loss", "lr", "global_batch", "noise_scale", "grad_norm_squared_small", "grad_norm_squared_big")
     assert [tuple(r[f] for f in fields) for r in read_metrics(resumed / "metrics.jsonl")] == [
         tuple(r[f] for f in fields) for r in records]
