@@ -14,7 +14,7 @@ import pytest
 
 from data.indexed_dataset import IndexedDatasetBuilder
 from training.config import parse_run_config
-from training.data import check_datasets
+from training.data import check_datasets, samples_needed
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for folder in ("model", "data", "training", "tools") for p in (ROOT / folder).rglob("*.py")] + [
@@ -66,6 +66,13 @@ def test_a_dataset_with_a_larger_vocabulary_is_refused(tmp_path):
             builder.end_document()
     with pytest.raises(ValueError, match=r"token id 60000 does not fit the model's vocabulary of 50257"):
         check_datasets(config_with(prefix))
+
+
+def test_enough_samples_are_built_for_the_run_and_its_rollbacks():
+    raw = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())  # 262144 tokens of 64, batch 32
+    assert samples_needed(parse_run_config(raw)) == (4096 + 32, 2 * 32, 0)
+    raw["training"]["spike_guard"] = {"enabled": True, "rollback": True, "max_rollbacks": 3}  # save_interval 50
+    assert samples_needed(parse_run_config(raw)) == (4096 + 32 + 3 * 50 * 32, 2 * 32, 0)
 
 
 def test_train_py_stops_at_start_up_on_bad_data(tmp_path):

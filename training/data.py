@@ -37,8 +37,12 @@ def check_datasets(config: RunConfig) -> None:
 
 
 def samples_needed(config: RunConfig) -> tuple[int, int, int]:
-    """(train, valid, test) samples: enough for train_tokens plus one full batch, and every evaluation."""
+    """(train, valid, test) samples: enough for train_tokens plus one full batch, plus what spike rollbacks may jump
+    over (each skips at most save_interval full batches), and every evaluation."""
     train = math.ceil(config.schedule.train_tokens / config.model.seq_length) + config.global_batch_size
+    guard = config.training.spike_guard_config()
+    if guard.enabled and guard.rollback:
+        train += guard.max_rollbacks * max(config.training.save_interval, 1) * config.global_batch_size
     valid = config.training.eval_iters * config.global_batch_size
     return train, valid, 0
 
