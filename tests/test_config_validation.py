@@ -95,6 +95,20 @@ CASES = [
     ("training.spike_guard", {"enabled": True, "typo": 1}, WORLD, "unknown key(s) ['typo'] in block \"training.spike_guard\""),
     ("training.spike_guard", {"enabled": True, "max_rollbacks": 0}, WORLD, "training.spike_guard.max_rollbacks must be >= 1"),
     ("training.checkpoint_dir", "x", WORLD, "unknown key(s) ['checkpoint_dir'] in block \"training\""),
+    # types: what --set reads (JSON, else a string) against each field's type
+    ("training.save_interval", "abc", WORLD, "training.save_interval = \"abc\" is a string: expected an integer"),
+    ("training.save_interval", 1e3, WORLD, "training.save_interval = 1000.0 is a decimal number: expected an integer"),
+    ("training.save", 3, WORLD, "training.save = 3 is an integer: expected a string or null (quote it"),
+    ("training.spike_guard", {"enabled": 1}, WORLD, "training.spike_guard.enabled = 1 is an integer: expected true or false"),
+    ("training.spike_guard", [1], WORLD, "training.spike_guard = [1] is a list: expected an object"),
+    ("schedule.lr", True, WORLD, "schedule.lr = true is a boolean: expected a number"),
+    ("schedule.warmup_tokens", "1e6x", WORLD, "schedule.warmup_tokens = \"1e6x\" is a string: expected a number"),
+    ("model.hidden_dropout", "0.1", WORLD, "model.hidden_dropout = \"0.1\" is a string: expected a number"),
+    ("model.activation_checkpointing", "yes", WORLD, "model.activation_checkpointing = \"yes\" is a string: expected true or false"),
+    ("model.preset", 3, WORLD, "model.preset = 3: expected a string"),
+    ("parallelism.tensor_parallel_size", 2.0, WORLD, "parallelism.tensor_parallel_size = 2.0 is a decimal number: expected an integer"),
+    ("data.blend", "x", WORLD, "data.blend = \"x\" is a string: expected a list"),
+    ("data.cache_dir", False, WORLD, "data.cache_dir = false is a boolean: expected a string or null"),
 ]
 
 
@@ -119,9 +133,16 @@ def test_the_shipped_configs_are_valid():
             config.check_world(config.parallelism.model_parallel_size * data_parallel_size)
 
 
-def test_train_py_refuses_before_starting_processes():
-    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/tiny-cpu.json", "--set",
-                             "parallelism.tensor_parallel_size=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("override, message", [
+    ("parallelism.tensor_parallel_size=3",
+     "model.num_attention_heads (4) is not divisible by parallelism.tensor_parallel_size (3)"),
+    ("training.save_interval=abc", "training.save_interval = \"abc\" is a string: expected an integer (e.g. 100)"),
+    ("training.no_such_field=1", "unknown key(s) ['no_such_field'] in block \"training\""),
+])
+def test_train_py_refuses_before_starting_processes(override, message):
+    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/tiny-cpu.json", "--set", override],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "model.num_attention_heads (4) is not divisible by parallelism.tensor_parallel_size (3)" in result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
     assert "deepspeed" not in result.stderr.lower()  # nothing was initialised

@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,6 +133,9 @@ class TrainingConfig:
     spike_guard: dict[str, Any] = field(default_factory=dict)
     """Loss-spike guard, off by default: {"enabled": true, "window": 32, "threshold_std": 5.0, "min_increase": 0.1,
     "rollback": false} (training/guards.py)."""
+    rendezvous_timeout_s: float = 600.0
+    """How long a rank waits for the master (rank 0, at MASTER_ADDR:MASTER_PORT) to accept connections before it
+    stops with an error naming that address; rank 0's node may start later than the others on a large cluster."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total, even if train_tokens are not reached (for tests)."""
     noise_scale_beta: float = 0.99
@@ -148,6 +153,8 @@ class TrainingConfig:
             raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
         if not 0.0 <= self.noise_scale_beta < 1.0:
             raise ValueError(f"training.noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
+        if self.rendezvous_timeout_s <= 0:
+            raise ValueError(f"training.rendezvous_timeout_s must be positive, got {self.rendezvous_timeout_s}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"training.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         guard = self.spike_guard_config()
@@ -244,11 +251,56 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _build(cls, block: str, values: dict[str, Any]):
-    known = {f.name for f in dataclasses.fields(cls)}
+# What a field of each type takes, with an example of how to write it in JSON (and so with --set).
+_TYPE_NAMES = {bool: "true or false", int: "an integer (e.g. 100)", float: "a number (e.g. 1e-4)",
+               str: "a string", list: "a list [...]",
+               dict: "an object {...}"}
+
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a decimal number", str: "a string", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """JSON values against a field's annotation: int, float (an int is a float too), str, bool, list[...],
+    dict[...], Any, and unions of them (X | None). bool is not an int here, although Python says it is."""
+    if annotation is Any:
+        return True
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_matches(value, option) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation) or annotation
+    if isinstance(value, bool):
+        return origin is bool
+    if origin is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, origin)
+
+
+def _describe(annotation: Any) -> str:
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    names = [_TYPE_NAMES.get(typing.get_origin(option) or option, "null" if option is type(None) else str(option))
+             for option in options]
+    return " or ".join(names)
+
+
+def check_field_types(cls: type, block: str, values: dict[str, Any], extra_keys: tuple[str, ...] = ()) -> None:
+    """Refuse unknown keys and values of the wrong type, naming the field, the value and the type it takes."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)} | set(extra_keys)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in block \"{block}\": known keys are {sorted(known)}")
+    for name, value in values.items():
+        if not _matches(value, hints[name]):
+            quote = _matches(str(value), hints[name]) and not isinstance(value, (list, dict))
+            hint = f" (quote it to mean the string: '\"{value}\"')" if quote else ""
+            raise ValueError(f"{block}.{name} = {json.dumps(value)} is {_JSON_NAMES[type(value)]}: expected "
+                             f"{_describe(hints[name])}{hint}")
+
+
+def _build(cls, block: str, values: dict[str, Any]):
+    check_field_types(cls, block, values)
     return cls(**values)
 
 
@@ -257,10 +309,9 @@ def _model_config(values: dict[str, Any]) -> ModelConfig:
     name = values.pop("preset", None)
     if name is None:
         return _build(ModelConfig, "model", values)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in block \"model\": known keys are {sorted(known) + ['preset']}")
+    if not isinstance(name, str):
+        raise ValueError(f"model.preset = {name!r}: expected a string, one of the preset names")
+    check_field_types(ModelConfig, "model", values, extra_keys=("preset",))
     return preset(name, **values)
 
 
