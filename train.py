@@ -57,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    from model.parallel import RendezvousError
     from training.checkpoint import CheckpointWriteError
     from training.run import run
     from training.trainer import TrainingStopped
 
     try:
         run(config)
-    except (ValueError, TrainingStopped, CheckpointWriteError) as error:
+    except (ValueError, TrainingStopped, CheckpointWriteError, RendezvousError) as error:
         print(f"error (rank {os.environ.get('RANK', '0')}): {error}", file=sys.stderr, flush=True)
         return 1
     return 0

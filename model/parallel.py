@@ -56,10 +56,63 @@ class ParallelContext:
                 f"DP {self.data_parallel_rank}/{self.data_parallel_size}")
 
 
-def init_distributed(timeout_minutes: int = 30) -> None:
+def silence_harmless_distributed_warnings() -> None:
+    """Hide exactly two warnings that every step would print on every rank, burying the training log.
+
+    - ``c10d::broadcast_: an autograd kernel was not registered ...`` (UserWarning, at each backward): on gloo,
+      DeepSpeed's pipeline sends activations with ``dist.broadcast`` on the stage output, which requires grad. The
+      in-place broadcast on the source rank leaves the tensor and its grad_fn as they were, so the backward that
+      DeepSpeed runs from the received gradient flows through unchanged; the warning only says broadcast has no
+      autograd formula. The gradients that cross stages are checked against the unsplit model by
+      tests/test_model_parallel.py::test_fp32_split_equals_unsplit (PP 2 and TP 2 x PP 2 x DP 2) and, for this op
+      alone, by tests/test_parallel_layers.py::test_gradient_through_a_pipeline_send_is_exact.
+    - ``torch.distributed.all_gather_into_tensor is deprecated`` (FutureWarning, at each ZeRO-1 step): torch 2.13
+      renamed it all_gather_single and forwards the old name to it; DeepSpeed still calls the old name.
+    Every other warning is left alone.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered",
+                            category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+
+
+class RendezvousError(RuntimeError):
+    """This rank could not reach the master (rank 0's store at MASTER_ADDR:MASTER_PORT) in time."""
+
+
+def wait_for_master(address: str, port: int, timeout_s: float) -> None:
+    """Return once MASTER_ADDR:MASTER_PORT accepts a TCP connection, or raise RendezvousError after timeout_s.
+
+    torch's own store client retries for the whole process-group timeout (30 min here, which collectives need) and
+    then names neither the address nor the cause; a node whose master is down or misnamed should say so sooner.
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as error:
+            last_error = error
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"cannot reach the master at MASTER_ADDR:MASTER_PORT = {address}:{port} within {timeout_s:g} s "
+                f"({last_error}). Check that rank 0's node is up and started, that {address} is its address as seen "
+                f"from this node (--master_addr), and that port {port} is open between the nodes "
+                f"(training.rendezvous_timeout_s sets this limit)")
+        time.sleep(0.5)
+
+
+def init_distributed(timeout_minutes: int = 30, rendezvous_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU, no code change.
 
     The launcher (deepspeed, torchrun, or a test's spawn helper) provides RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*.
+    With ``rendezvous_timeout_s``, every rank but 0 (which hosts the store) first waits at most that long for the
+    master to accept connections.
     """
     import datetime
 
@@ -68,6 +121,9 @@ def init_distributed(timeout_minutes: int = 30) -> None:
 
     if dist.is_initialized():
         return
+    silence_harmless_distributed_warnings()
+    if rendezvous_timeout_s is not None and int(os.environ.get("RANK", "0")) != 0 and "MASTER_ADDR" in os.environ:
+        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), rendezvous_timeout_s)
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed compiles a shared-memory all-reduce on first use on CPU (30 s); gloo alone is enough for the
         # CPU runs of this project (tests and demos), so skip the compile.
