@@ -74,7 +74,7 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
     for stage in range(pipeline_parallel_size):
         ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
                               pipeline_parallel_size=pipeline_parallel_size, pipeline_parallel_rank=stage)
-        specs = gpt_layer_specs(config, ctx, seed=0)[bounds[stage]:bounds[stage + 1]]
+        specs = _once_per_tied_key(gpt_layer_specs(config, ctx, seed=0)[bounds[stage]:bounds[stage + 1]])
         with torch.device("meta"):
             modules = [spec.build() for spec in specs]
         assert all(p.is_meta for m in modules for p in m.parameters())
@@ -87,6 +87,17 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
             parameters_per_stage=sum(p.numel() * (tensor_parallel_size if getattr(p, "tensor_model_parallel", False)
                                                   else 1) for p in parameters)))
     return counts
+
+
+def _once_per_tied_key(specs: list) -> list:
+    """A stage holding both ends of a tied layer (the word embedding at PP 1) builds it once, as PipelineModule does."""
+    seen, kept = set(), []
+    for spec in specs:
+        key = getattr(spec, "key", None)  # TiedLayerSpec
+        if key is None or key not in seen:
+            kept.append(spec)
+        seen.add(key)
+    return kept
 
 
 def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_parallel_size: int) -> int:

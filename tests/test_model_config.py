@@ -110,3 +110,13 @@ def test_summary_command_prints_counts():
                          capture_output=True, text=True, check=True).stdout
     assert "529,600,819,200 from the modules, 529,600,819,200 analytic (equal)" in out
     assert out.count(" yes") == 35
+
+
+def test_single_stage_counts_the_tied_embedding_once():
+    """At PP 1 the only stage holds both ends of the tied embedding, and PipelineModule builds it once."""
+    config = preset("1.3b")
+    counts = count_stages(config, tensor_parallel_size=1, pipeline_parallel_size=1)
+    assert counts[0].layers == ["WordEmbedding", "PositionEmbedding"] + ["TransformerLayer"] * 24 + ["FinalLayerNorm"]
+    # by hand: V h + P h + L (12 h^2 + 13 h) + 2 h with V = 50304, P = 2048, L = 24, h = 2048
+    expected = 50304 * 2048 + 2048 * 2048 + 24 * (12 * 2048**2 + 13 * 2048) + 2 * 2048
+    assert counts[0].parameters_per_tp_rank == expected == total_from_stages(counts, config, 1) == 1_315_819_520

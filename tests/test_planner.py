@@ -3,12 +3,15 @@ allocations, and the errors of impossible plans.
 
 Hand values use the 530B shape: s = 2048, b = 1, h = 20480, a = 128, t = 8, p = 35, V = 51200, so one 16-bit hidden
 tensor 2 s b h = 83,886,080 bytes, and N_0 = 2,060,874,240 parameters on a TP rank of stage 0 (N_34 =
-2,018,972,160 on the last stage).
+2,018,972,160 on the last stage). A layer's activations (Korthikanti et al.) are s b h = 41,943,040 bytes times
+10 + 24/t = 13 with a fused attention kernel (the default), and 13 + 5 a s / (h t) = 13 + 8 = 21 with the scores
+stored.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,11 @@ from tools.plan import main as plan_main
 from training.config import load_run_config, parse_run_config
 from training.engine import build_engine
 from training.planner import (
+    CHINCHILLA,
     GPU_PRESETS,
     Assumptions,
+    chinchilla_optimal,
+    compute_optimal,
     count_parameters,
     deepspeed_layout,
     iteration_time,
@@ -35,6 +41,7 @@ from training.planner import (
     suggest_ramp,
     sustained_rates,
     training_time,
+    twenty_tokens_per_parameter,
 )
 from training.schedules import BatchRamp
 
@@ -43,6 +50,9 @@ RECIPE = ROOT / "ds_configs" / "530b.json"
 A100, DEFAULTS = GPU_PRESETS["a100-80gb"], Assumptions()
 HIDDEN_TENSOR = 2 * 2048 * 20480  # bytes of one bf16 (s, b, h) activation
 N_FIRST, N_LAST = 2_060_874_240, 2_018_972_160
+SBH = 2048 * 1 * 20480
+LAYER_FUSED, LAYER_STORED = SBH * 13, SBH * 21  # 545,259,520 and 880,803,840 bytes at t = 8
+STORED = Assumptions(attention_scores="stored")
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +69,30 @@ def parameters(recipe):
 
 
 def test_layer_activations_korthikanti():
-    # s b h (10 + 24/t + 5 a s / (h t)) = 41,943,040 x (10 + 3 + 8) at t = 8; 34 + 64 at t = 1; (34 + 64) / 8 with SP
-    assert layer_activation_bytes(2048, 1, 20480, 128, 8) == 41_943_040 * 21 == 880_803_840
-    assert layer_activation_bytes(2048, 1, 20480, 128, 1) == 41_943_040 * 98
-    assert layer_activation_bytes(2048, 1, 20480, 128, 8, sequence_parallel=True) == 41_943_040 * 98 / 8
-    # a fused attention kernel keeps no s x s scores: the 5 a s / h term goes
-    assert layer_activation_bytes(2048, 1, 20480, 128, 8, attention_scores_stored=False) == 41_943_040 * 13
+    # scores stored: s b h (10 + 24/t + 5 a s / (h t)) = 41,943,040 x (10 + 3 + 8) at t = 8; 34 + 64 at t = 1;
+    # (34 + 64) / 8 with sequence parallelism
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8, attention_scores_stored=True) == SBH * 21 == 880_803_840
+    assert layer_activation_bytes(2048, 1, 20480, 128, 1, attention_scores_stored=True) == SBH * 98
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8, sequence_parallel=True, attention_scores_stored=True) == \
+        SBH * 98 / 8
+    # the default, the fused kernel the model's SDPA call runs, keeps no s x s scores: the 5 a s / h term goes
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8) == SBH * 13 == 545_259_520
+    assert layer_activation_bytes(2048, 1, 20480, 128, 1) == SBH * 34
+    assert layer_activation_bytes(2048, 1, 20480, 128, 8, sequence_parallel=True) == SBH * 34 / 8
 
 
 def test_stage_activations_530b(recipe, parameters):
     first = stage_activations(recipe.model, parameters.stages[0], 1, 8)
     last = stage_activations(recipe.model, parameters.stages[-1], 1, 8)
     assert first.per_micro_batch_recompute == 4 * HIDDEN_TENSOR  # 3 layer inputs + the stage output
-    assert first.per_micro_batch_no_recompute == 3 * 880_803_840 + HIDDEN_TENSOR
-    assert first.working_set_recompute == 880_803_840 and first.working_set_no_recompute == 0
+    assert first.per_micro_batch_no_recompute == 3 * LAYER_FUSED + HIDDEN_TENSOR
+    assert first.working_set_recompute == LAYER_FUSED and first.working_set_no_recompute == 0
     head = 2 * HIDDEN_TENSOR + 4 * 2048 * 51200 // 8  # final LayerNorm + head inputs, fp32 logits of 6400 rows
-    assert last.working_set_recompute == 880_803_840 + head and last.working_set_no_recompute == head
+    assert last.working_set_recompute == LAYER_FUSED + head and last.working_set_no_recompute == head
+    stored = stage_activations(recipe.model, parameters.stages[0], 1, 8, attention_scores_stored=True)
+    assert stored.per_micro_batch_recompute == first.per_micro_batch_recompute  # layer inputs only: no scores
+    assert stored.per_micro_batch_no_recompute == 3 * LAYER_STORED + HIDDEN_TENSOR
+    assert stored.working_set_recompute == LAYER_STORED
 
 
 def test_micro_batches_held_by_a_1f1b_stage():
@@ -115,11 +133,26 @@ def test_530b_memory_parts_by_hand(recipe, parameters):
     assert (memory.weights, memory.gradients, memory.gradient_accumulation) == (2 * n, 2 * n, 4 * n)
     assert (memory.master_weights, memory.adam_states, memory.gradient_partition) == (4 * n // 8, 8 * n // 8, 0)
     assert memory.micro_batches_held == 35
-    assert memory.activations == memory.activations_recompute == 35 * 4 * HIDDEN_TENSOR + 880_803_840
-    assert memory.activations_no_recompute == 35 * (3 * 880_803_840 + HIDDEN_TENSOR)
+    assert memory.activations == memory.activations_recompute == 35 * 4 * HIDDEN_TENSOR + LAYER_FUSED
+    assert memory.activations_no_recompute == 35 * (3 * LAYER_FUSED + HIDDEN_TENSOR)
     assert memory.pipeline_buffers == 2 * HIDDEN_TENSOR and memory.reduce_buffer == 2 * n  # the bf16 cast
     assert memory.total == 8 * n + 12 * n // 8 + memory.activations + 2 * HIDDEN_TENSOR + 2 * 2**30
     assert memory.fits and memory.margin == 80 * 2**30 - memory.total
+    stored = stage_memory(recipe, deepspeed_layout(recipe), parameters.stages[0], 8, 240, A100, STORED)
+    assert stored.activations == 35 * 4 * HIDDEN_TENSOR + LAYER_STORED
+    assert stored.activations_no_recompute == 35 * (3 * LAYER_STORED + HIDDEN_TENSOR)
+
+
+def test_530b_without_checkpointing_fits_only_if_attention_is_fused(recipe, parameters):
+    """Stage 0 holds 35 micro-batches of 3 full layers + its output: 8 N + 12 N / 8 + activations + p2p + 2 GiB."""
+    no_recompute = load_run_config(RECIPE, ["model.activation_checkpointing=false"])
+    static = 8 * N_FIRST + 12 * N_FIRST // 8 + 2 * HIDDEN_TENSOR + 2 * 2**30
+    fused = stage_memory(no_recompute, deepspeed_layout(recipe), parameters.stages[0], 8, 240, A100, DEFAULTS)
+    assert fused.total == static + 35 * (3 * LAYER_FUSED + HIDDEN_TENSOR) == 82_081_823_488  # 76.44 GiB
+    assert fused.fits
+    stored = stage_memory(no_recompute, deepspeed_layout(recipe), parameters.stages[0], 8, 240, A100, STORED)
+    assert stored.total == static + 35 * (3 * LAYER_STORED + HIDDEN_TENSOR)  # 109.3 GiB
+    assert not stored.fits
 
 
 def test_530b_iteration_time_by_hand(recipe, parameters):
@@ -180,6 +213,59 @@ def test_throughput_falls_with_nodes_at_a_fixed_batch(recipe, parameters):
     bubbles = [p.full_batch.bubble_fraction for p in plans]
     assert tflops == sorted(tflops, reverse=True) and bubbles == sorted(bubbles)
     assert [p.full_batch.micro_batches for p in plans] == [240, 192, 160, 120]
+
+
+# ---------------------------------------------------------------------------- tokens per parameter, compute-optimal
+
+
+def chinchilla_loss(parameters: float, tokens: float) -> float:
+    """Hoffmann et al. 2022, approach 3: L(N, D) = 1.69 + 406.4 / N^0.34 + 410.7 / D^0.28."""
+    return 1.69 + 406.4 / parameters**0.34 + 410.7 / tokens**0.28
+
+
+def minimise_along_budget(flops: float) -> float:
+    """The N minimising L(N, C / (6 N)), by golden-section search over log N: no closed form involved."""
+    low, high = math.log(1e6), math.log(1e15)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(200):
+        left, right = high - ratio * (high - low), low + ratio * (high - low)
+        loss_left = chinchilla_loss(math.exp(left), flops / (6 * math.exp(left)))
+        loss_right = chinchilla_loss(math.exp(right), flops / (6 * math.exp(right)))
+        low, high = (low, right) if loss_left < loss_right else (left, high)
+    return math.exp((low + high) / 2)
+
+
+@pytest.mark.parametrize("flops", [1e21, 5.76e23, 6 * 529_600_819_200 * 270e9])
+def test_chinchilla_optimum_minimises_the_fitted_loss(flops):
+    fit = chinchilla_optimal(flops)
+    assert 6 * fit.parameters * fit.tokens == pytest.approx(flops, rel=1e-12)  # on the budget
+    assert fit.parameters == pytest.approx(minimise_along_budget(flops), rel=1e-6)
+    # the closed form, written out: a = 0.28 / 0.62, b = 0.34 / 0.62, G = (0.34 x 406.4 / (0.28 x 410.7))^(1 / 0.62)
+    g = (0.34 * 406.4 / (0.28 * 410.7)) ** (1 / 0.62)
+    assert fit.parameters == pytest.approx(g * (flops / 6) ** (0.28 / 0.62), rel=1e-12)
+    assert fit.tokens == pytest.approx((flops / 6) ** (0.34 / 0.62) / g, rel=1e-12)
+    # first-order condition along N D = C / 6: alpha A / N^alpha = beta B / D^beta
+    assert 0.34 * 406.4 / fit.parameters**0.34 == pytest.approx(0.28 * 410.7 / fit.tokens**0.28, rel=1e-9)
+    assert CHINCHILLA.E == 1.69 and (CHINCHILLA.A, CHINCHILLA.B) == (406.4, 410.7)
+
+
+def test_twenty_tokens_per_parameter_rule():
+    rule = twenty_tokens_per_parameter(1.2e23)  # 120 N^2 = 1.2e23: N = 1e10.5
+    assert rule.parameters == pytest.approx(10**10.5) and rule.tokens == pytest.approx(20 * 10**10.5)
+    assert rule.tokens_per_parameter == pytest.approx(20)
+    # Chinchilla itself: 70B parameters on 1.4T tokens
+    chinchilla = twenty_tokens_per_parameter(6 * 70e9 * 1.4e12)
+    assert (chinchilla.parameters, chinchilla.tokens) == (pytest.approx(70e9), pytest.approx(1.4e12))
+
+
+def test_530b_tokens_per_parameter(recipe, parameters):
+    optimal = compute_optimal(recipe, parameters)
+    assert optimal.run.tokens_per_parameter == pytest.approx(0.51, abs=0.005)  # 270e9 / 529.6e9 = 0.5098
+    assert optimal.flops == pytest.approx(6 * 529_600_819_200 * 270e9)  # 8.58e23
+    # at that C the fit wants a model of about 38.5B on 3.71T tokens, the rule 84.6B on 1.69T
+    assert optimal.chinchilla.parameters == pytest.approx(minimise_along_budget(optimal.flops), rel=1e-6)
+    assert optimal.chinchilla.parameters == pytest.approx(38.5e9, rel=0.01)
+    assert optimal.twenty_tokens_per_parameter.parameters == pytest.approx(math.sqrt(optimal.flops / 120))
 
 
 # ----------------------------------------------------------------------------------------------- parameter count
@@ -287,12 +373,43 @@ def test_cli_plans_the_recipe(capsys):
     assert "280   2240    8   240   0.142" in out  # the comparison table: nodes, GPUs, DP, m, bubble
 
 
+def test_cli_prints_tokens_per_parameter_and_compute_optimal_sizes(capsys):
+    status, out, _ = run_cli(capsys, "--nodes", "280")
+    assert status == 0
+    assert "compute-optimal size for the run's C = 6 N D = 8.58e+23 FLOPs" in out
+    assert "this run                                             529.6B         270B                   0.51" in out
+    assert "Hoffmann et al. 2022, approach-3 fit                 38.54B" in out
+    assert "rule of thumb: 20 tokens per parameter               84.56B" in out
+
+
+def test_cli_attention_scores_option(capsys):
+    def stage0_peak(*args: str) -> int:
+        status, out, _ = run_cli(capsys, "--nodes", "280", "--json", *args)
+        assert status == 0
+        return json.loads(out)["plans"][0]["memory"][0]["total"]
+
+    default = stage0_peak()
+    assert stage0_peak("--flash-attention") == stage0_peak("--attention-scores", "recomputed") == default
+    # with checkpointing only the recomputed layer's working set holds the scores: 8 s b h more
+    assert stage0_peak("--attention-scores", "stored") - default == LAYER_STORED - LAYER_FUSED
+    with pytest.raises(SystemExit):  # contradictory: refused by argparse
+        run_cli(capsys, "--nodes", "280", "--flash-attention", "--attention-scores", "stored")
+
+
 def test_cli_json_has_the_documented_schema(capsys):
     status, out, _ = run_cli(capsys, "--nodes", "560", "--gpu", "h100-80gb", "--matmul-efficiency", "0.5",
                              "--iteration-seconds", "30", "--json")
     report = json.loads(out)
-    assert status == 0 and set(report) == {"config", "gpu", "assumptions", "deepspeed", "parameters", "plans"}
+    assert status == 0 and set(report) == {"config", "gpu", "assumptions", "deepspeed", "parameters",
+                                           "compute_optimal", "plans"}
     assert report["gpu"]["peak_tflops"] == 989 and report["assumptions"]["matmul_efficiency"] == 0.5
+    assert report["assumptions"]["attention_scores"] == "recomputed"
+    optimal = report["compute_optimal"]
+    assert set(optimal) == {"flops", "run", "chinchilla", "twenty_tokens_per_parameter", "law"}
+    assert optimal["run"] == {"parameters": 529_600_819_200, "tokens": 270e9,
+                              "tokens_per_parameter": pytest.approx(270e9 / 529_600_819_200)}
+    assert set(optimal["chinchilla"]) == {"parameters", "tokens", "tokens_per_parameter"}
+    assert optimal["law"] == {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
     plan = report["plans"][0]
     assert (plan["data_parallel_size"], plan["micro_batches"], plan["errors"]) == (16, 120, [])
     assert len(plan["memory"]) == 35 and plan["memory"][0]["micro_batches_held"] == 35
@@ -305,9 +422,10 @@ def test_cli_json_has_the_documented_schema(capsys):
                          "divisible by tensor_parallel_size (8) x pipeline_parallel_size (35) = 280"),
     (["--nodes", "280", "--set", "train_micro_batch_size_per_gpu=7"],
      "the full batch train_batch_size=1920 is not divisible by micro-batch x DP = 7 x 8 = 56"),
-    (["--nodes", "280", "--set", "model.activation_checkpointing=false"],
+    (["--nodes", "280", "--set", "model.activation_checkpointing=false", "--attention-scores", "stored"],
      "memory exceeded: stage 0 needs 109.3 GiB of the a100-80gb's 80 GiB"),
-    (["--nodes", "280", "--gpu", "a100-40gb", "--memory-gib", "30"], "memory exceeded: stage 0 needs 32.1 GiB"),
+    # 8 N + 12 N / 8 + 35 x 4 x 2 s b h + 13 s b h + 2 x 2 s b h + 2 GiB = 31.8 GiB
+    (["--nodes", "280", "--gpu", "a100-40gb", "--memory-gib", "30"], "memory exceeded: stage 0 needs 31.8 GiB"),
     (["--nodes", "280,x"], "--nodes '280,x': expected positive numbers"),
     (["--nodes", "280,350", "--iteration-seconds", "60.1"], "--iteration-seconds has 1 values for 2 node counts"),
     (["--nodes", "280", "--matmul-efficiency", "1.5"], "matmul_efficiency must be in (0, 1]"),

@@ -5,6 +5,7 @@
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 280,420 --iteration-seconds 60.1,44.4  # measured
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 70 --gpu h100-80gb --matmul-efficiency 0.5 --json
 
+Results only on stdout (the tables, or JSON with --json); warnings, DeepSpeed's included, on stderr.
 Exit status 0 when every plan is possible; 1 with the reason on stderr when one is not (DP not a whole number, a full
 batch that does not split into micro-batches x DP, memory exceeded) or the input is invalid. Ramp sizes that do not
 split are a warning with a ramp that would. The formulas, constants and the --json schema: training/planner.py.
@@ -17,8 +18,10 @@ import dataclasses
 import json
 import sys
 
+from tools.streams import deepspeed_logs_to_stderr
 from training.config import load_run_config
 from training.planner import (
+    ATTENTION_SCORES,
     GPU_PRESETS,
     Assumptions,
     Hardware,
@@ -68,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(Assumptions(), name)
         parser.add_argument(flag, type=float, dest=name, default=default,
                             help=f"(default {default:g}) {_field_help(Assumptions, name)}")
-    parser.add_argument("--flash-attention", action="store_true", help=_field_help(Assumptions, "flash_attention"))
+    attention = parser.add_mutually_exclusive_group()
+    attention.add_argument("--attention-scores", choices=ATTENTION_SCORES, default=Assumptions().attention_scores,
+                           help=_field_help(Assumptions, "attention_scores"))
+    # the old flag: the default it switched on is the default now
+    attention.add_argument("--flash-attention", dest="attention_scores", action="store_const", const="recomputed",
+                           help="the same as --attention-scores recomputed, the default (kept for old command lines)")
     return parser
 
 
@@ -102,13 +110,14 @@ def parse_iteration_seconds(text: str | None, nodes: list[int]) -> list[float | 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    deepspeed_logs_to_stderr()  # counting the stages imports DeepSpeed, whose logger writes to stdout
     try:
         config = load_run_config(args.ds_config, args.set)
         nodes = parse_list("--nodes", args.nodes, int)
         measured = parse_iteration_seconds(args.iteration_seconds, nodes)
         hardware = hardware_from_args(args)
         assumptions = Assumptions(**{name: getattr(args, name) for name in ASSUMPTION_FLAGS.values()},
-                                  flash_attention=args.flash_attention)
+                                  attention_scores=args.attention_scores)
         parameters = count_parameters(config)
         plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds)
                  for n, seconds in zip(nodes, measured, strict=True)]

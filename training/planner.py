@@ -27,9 +27,13 @@ Memory of stage i
         whose backward has not run: DeepSpeed's ``TrainSchedule.num_pipe_buffers``).
         Per layer and micro-batch, Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2-4), 16-bit activations, 1-byte
         dropout masks: s b h (34 + 5 a s / h) at t = 1; with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t));
-        with sequence parallelism s b h (34 + 5 a s / h) / t (not used by this project's layers). The formula
-        stores the s x s attention scores (5 a s / h) and dropout masks; with Assumptions.flash_attention the
-        scores term is dropped (a fused kernel recomputes them), so the default is an upper bound.
+        with sequence parallelism s b h (34 + 5 a s / h) / t (not used by this project's layers). The 5 a s / h
+        term is the s x s attention scores (softmax output, dropout mask, dropout output). By default
+        (Assumptions.attention_scores "recomputed") it is dropped: the model calls F.scaled_dot_product_attention
+        with is_causal=True and no mask (model/gpt.py), which on CUDA runs a fused flash or memory-efficient kernel
+        that keeps q, k, v, the output and a row's softmax statistics (4 a s b / t bytes, fp32: 0.02% of the rest at
+        530B, left out) and recomputes the scores in the backward: s b h (10 + 24 / t). "stored" keeps the term
+        (the unfused math kernel: an explicit mask, or a head dimension neither fused kernel takes).
         Full recompute (activation checkpointing of every block): a layer keeps only its input, 2 s b h, and one
         layer's full set is alive while it is recomputed (the working set). Each held micro-batch also keeps the
         stage's output (2 s b h, DeepSpeed's pipe buffer); the last stage adds its head once: final LayerNorm and
@@ -70,10 +74,20 @@ Whole training
     the sizes and a ramp that works (start and increment multiples of b d, increment nearest the configured one),
     and times the training with that ramp.
 
+Tokens per parameter and the compute-optimal size (config-level, whatever the cluster)
+    N = ParameterCounts.total (embeddings included, as Hoffmann et al. count), D = schedule.train_tokens, C = 6 N D.
+    For that C: Hoffmann et al. 2022 (arXiv:2203.15556) approach 3, L(N, D) = E + A / N^alpha + B / D^beta with
+    E = 1.69, A = 406.4, B = 410.7, alpha = 0.34, beta = 0.28 (section 3.3), minimised along 6 N D = C:
+    N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b, a = beta / (alpha + beta), b = alpha / (alpha + beta),
+    G = (alpha A / (beta B))^(1 / (alpha + beta)); and the rule of thumb of 20 tokens per parameter (Chinchilla
+    itself, 70B on 1.4T tokens; approaches 1 and 2): N = sqrt(C / 120), D = 20 N.
+
 JSON (``tools/plan.py --json``): one object
     config: str (the run config's path); gpu: Hardware fields; assumptions: Assumptions fields;
     deepspeed: DeepSpeedLayout fields; parameters: {stages: [{stage, layers, parameters_per_tp_rank,
         analytic_per_tp_rank, parameters_per_stage}], total, analytic_total}
+    compute_optimal: {flops (C = 6 N D), run, chinchilla, twenty_tokens_per_parameter: each {parameters, tokens,
+        tokens_per_parameter}, law: {E, A, B, alpha, beta}}
     plans: [one per node count: {nodes, gpus, tensor_parallel_size, pipeline_parallel_size, data_parallel_size
         (null if not whole), micro_batch_size, global_batch_size, micro_batches, errors: [str], warnings: [str],
         ramp: {start, increment, end, ramp_tokens, suggested} | null,
@@ -109,6 +123,8 @@ DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "torch.float32": "fp32", "b
                  "torch.bfloat16": "bf16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 """zero_optimization.reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
+ATTENTION_SCORES = ("recomputed", "stored")
+"""Assumptions.attention_scores: what a layer keeps of the s x s attention scores for its backward."""
 
 
 @dataclass(frozen=True)
@@ -164,9 +180,12 @@ class Assumptions:
     """Fraction of HBM bandwidth that streaming element-wise kernels (the fp32 accumulation, Adam) sustain."""
     framework_gib: float = 2.0
     """Memory no tensor accounts for: the CUDA context (~0.5-1 GiB), NCCL's buffers, allocator fragmentation."""
-    flash_attention: bool = False
-    """Drop Korthikanti's 5 a s / h term: a fused attention kernel (FlashAttention, which F.scaled_dot_product_attention
-    picks for bf16 on A100/H100) keeps no s x s scores. Off by default: the paper's formula, an upper bound."""
+    attention_scores: str = "recomputed"
+    """'recomputed' (default), what the model runs: F.scaled_dot_product_attention(is_causal=True) without a mask
+    (model/gpt.py) picks a fused kernel on CUDA, flash in bf16/fp16 (head dim <= 256) or else memory-efficient (also
+    fp32), which stores no s x s attention scores and recomputes them in the backward, so Korthikanti et al.'s
+    5 a s / h term is dropped. 'stored': keep it, the paper's formula, what the unfused math kernel holds (an
+    explicit mask, or a head dimension neither fused kernel takes)."""
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "comm_efficiency", "hbm_efficiency"):
@@ -174,6 +193,12 @@ class Assumptions:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.framework_gib < 0:
             raise ValueError(f"framework_gib must be >= 0, got {self.framework_gib!r}")
+        if self.attention_scores not in ATTENTION_SCORES:
+            raise ValueError(f"attention_scores must be one of {ATTENTION_SCORES}, got {self.attention_scores!r}")
+
+    @property
+    def attention_scores_stored(self) -> bool:
+        return self.attention_scores == "stored"
 
 
 @dataclass(frozen=True)
@@ -257,10 +282,11 @@ def hidden_tensor_bytes(model: ModelConfig, micro_batch: int) -> int:
 
 
 def layer_activation_bytes(seq_length: int, micro_batch: int, hidden: int, heads: int, tensor_parallel_size: int,
-                           sequence_parallel: bool = False, attention_scores_stored: bool = True) -> float:
-    """Bytes one transformer layer stores for its backward, per micro-batch (Korthikanti et al. 2022, eq. 2-4)."""
+                           sequence_parallel: bool = False, attention_scores_stored: bool = False) -> float:
+    """Bytes one transformer layer stores for its backward, per micro-batch (Korthikanti et al. 2022, eq. 2-4),
+    by default without the s x s scores, which the fused kernel the model runs does not keep (module docstring)."""
     sbh = seq_length * micro_batch * hidden
-    # softmax input, output and dropout mask: 5 a s^2 b bytes, none with a fused (flash) attention kernel
+    # softmax output, dropout mask and dropout output: 5 a s^2 b bytes, none with a fused attention kernel
     attention_scores = 5.0 * heads * seq_length / hidden if attention_scores_stored else 0.0
     if sequence_parallel:
         return sbh * (34.0 + attention_scores) / tensor_parallel_size
@@ -285,12 +311,12 @@ class StageActivations:
 
 
 def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
-                      flash_attention: bool = False) -> StageActivations:
+                      attention_scores_stored: bool = False) -> StageActivations:
     s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
     scale = DTYPE_BYTES[model.precision] / 2  # the formulas count 16-bit activations
     hidden_tensor = hidden_tensor_bytes(model, b)
     layer = layer_activation_bytes(s, b, h, model.num_attention_heads, t,
-                                   attention_scores_stored=not flash_attention) * scale
+                                   attention_scores_stored=attention_scores_stored) * scale
     layers = transformer_layers(count)
     first_stage_mask = s * b * h if "PositionEmbedding" in count.layers and model.hidden_dropout > 0 else 0
     # the last stage's head: final LayerNorm and head inputs, and the fp32 logits of this rank's vocabulary slice
@@ -351,7 +377,7 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
                  micro_batches: int, hardware: Hardware, assumptions: Assumptions) -> StageMemory:
     model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    act = stage_activations(model, count, config.micro_batch_size, tp, assumptions.flash_attention)
+    act = stage_activations(model, count, config.micro_batch_size, tp, assumptions.attention_scores_stored)
     held = micro_batches_held(count.stage, pp, micro_batches)
     with_recompute = held * act.per_micro_batch_recompute + act.working_set_recompute
     without = held * act.per_micro_batch_no_recompute + act.working_set_no_recompute
@@ -599,6 +625,80 @@ def training_time(ramp: BatchRamp, train_tokens: float, seq_length: int,
                         ramp_seconds_at_full_batch_rate=ramp_tokens * full_rate)
 
 
+# ------------------------------------------------------------------------------ tokens per parameter, compute-optimal
+
+
+@dataclass(frozen=True)
+class ScalingLaw:
+    """L(N, D) = E + A / N^alpha + B / D^beta: the loss of N parameters trained on D tokens."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+
+CHINCHILLA = ScalingLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+"""Hoffmann et al. 2022 (arXiv:2203.15556), approach 3 (section 3.3), as published. Besiroglu et al. 2024
+(arXiv:2404.10102) find these rounded values biased away from the paper's approaches 1 and 2, which give about 20
+tokens per parameter: the planner prints that rule beside it."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A model size and the tokens it is trained on."""
+
+    parameters: float
+    tokens: float
+    tokens_per_parameter: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens_per_parameter", self.tokens / self.parameters)
+
+
+def training_flops_6nd(parameters: float, tokens: float) -> float:
+    """C = 6 N D, the budget the scaling laws are fitted in (the planner's hardware FLOPs also count attention and
+    recompute: not comparable)."""
+    return 6.0 * parameters * tokens
+
+
+def chinchilla_optimal(flops: float, law: ScalingLaw = CHINCHILLA) -> Allocation:
+    """The N and D minimising L(N, D) along 6 N D = C, Hoffmann et al.'s closed form: dL/dN = 0 with
+    D = C / (6 N) gives N^(alpha + beta) = (alpha A / (beta B)) (C/6)^beta, so N = G (C/6)^a, D = G^-1 (C/6)^b."""
+    exponents = law.alpha + law.beta
+    g = (law.alpha * law.A / (law.beta * law.B)) ** (1.0 / exponents)
+    budget = flops / 6.0
+    return Allocation(g * budget ** (law.beta / exponents), budget ** (law.alpha / exponents) / g)
+
+
+def twenty_tokens_per_parameter(flops: float) -> Allocation:
+    """D = 20 N at C = 6 N D = 120 N^2: N = sqrt(C / 120)."""
+    parameters = math.sqrt(flops / 120.0)
+    return Allocation(parameters, 20.0 * parameters)
+
+
+@dataclass(frozen=True)
+class ComputeOptimal:
+    """The run's tokens per parameter, and what its training compute would buy compute-optimally."""
+
+    flops: float
+    """C = 6 N D of the run."""
+    run: Allocation
+    """N = ParameterCounts.total (embeddings included, as Hoffmann et al. count), D = schedule.train_tokens."""
+    chinchilla: Allocation
+    """Hoffmann et al.'s approach-3 fit (CHINCHILLA) at that C."""
+    twenty_tokens_per_parameter: Allocation
+    """The rule of thumb at that C."""
+    law: ScalingLaw = CHINCHILLA
+
+
+def compute_optimal(config: RunConfig, parameters: ParameterCounts) -> ComputeOptimal:
+    run = Allocation(parameters.total, config.schedule.train_tokens)
+    flops = training_flops_6nd(run.parameters, run.tokens)
+    return ComputeOptimal(flops, run, chinchilla_optimal(flops), twenty_tokens_per_parameter(flops))
+
+
 # ----------------------------------------------------------------------------------------------------------- plan
 
 
@@ -749,7 +849,9 @@ def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptio
     return {"config": config.source, "gpu": dataclasses.asdict(hardware),
             "assumptions": dataclasses.asdict(assumptions),
             "deepspeed": dataclasses.asdict(deepspeed_layout(config)),
-            "parameters": dataclasses.asdict(parameters), "plans": [plan_to_dict(p) for p in plans]}
+            "parameters": dataclasses.asdict(parameters),
+            "compute_optimal": dataclasses.asdict(compute_optimal(config, parameters)),
+            "plans": [plan_to_dict(p) for p in plans]}
 
 
 # ----------------------------------------------------------------------------------------------------- formatting
@@ -796,8 +898,8 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
         f"{hardware.ib_gbits_per_s:g} Gb/s per GPU, {hardware.gpus_per_node} per node",
         f"assumed: matmul efficiency {assumptions.matmul_efficiency:g}, link efficiency "
         f"{assumptions.comm_efficiency:g}, HBM efficiency {assumptions.hbm_efficiency:g}, framework allowance "
-        f"{assumptions.framework_gib:g} GiB, attention scores "
-        f"{'not stored (flash attention)' if assumptions.flash_attention else 'stored (Korthikanti et al.)'}",
+        f"{assumptions.framework_gib:g} GiB, attention scores {assumptions.attention_scores} "
+        f"({'Korthikanti et al.' if assumptions.attention_scores_stored else 'fused SDPA kernel'})",
     ]
     lines = [_wrap(line) for line in prose] + [
         "",
@@ -810,6 +912,28 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
     same = "equal" if parameters.total == parameters.analytic_total else "DIFFERENT"
     lines.append(f"  total, tied embedding once: {parameters.total:,} from the modules, {parameters.analytic_total:,} "
                  f"analytic ({same})")
+    return "\n".join(lines + ["", format_compute_optimal(compute_optimal(config, parameters))])
+
+
+def _count(number: float) -> str:
+    """529.6e9 -> '529.6B', 3.7106e12 -> '3.711T': counts of parameters and tokens as people say them."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if number >= scale:
+            return f"{number / scale:.4g}{suffix}"
+    return f"{number:,.0f}"
+
+
+def format_compute_optimal(optimal: ComputeOptimal) -> str:
+    law = optimal.law
+    rows = (("this run", optimal.run),
+            ("Hoffmann et al. 2022, approach-3 fit", optimal.chinchilla),
+            ("rule of thumb: 20 tokens per parameter", optimal.twenty_tokens_per_parameter))
+    lines = [f"tokens per parameter, and the compute-optimal size for the run's C = 6 N D = {optimal.flops:.3g} FLOPs",
+             f"  {'':<44} {'parameters N':>14} {'tokens D':>12} {'tokens per parameter':>22}"]
+    lines += [f"  {name:<44} {_count(row.parameters):>14} {_count(row.tokens):>12} {row.tokens_per_parameter:>22.3g}"
+              for name, row in rows]
+    lines += [f"  the fit: L(N, D) = {law.E:g} + {law.A:g} / N^{law.alpha:g} + {law.B:g} / D^{law.beta:g}, minimised "
+              f"along 6 N D = C", "  the rule: D = 20 N, so C = 120 N^2 and N = sqrt(C / 120)"]
     return "\n".join(lines)
 
 
