@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    from data.index_cache import IndexCacheTimeout
     from model.parallel import RendezvousError
     from training.checkpoint import CheckpointWriteError
     from training.run import run
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(config)
-    except (ValueError, TrainingStopped, CheckpointWriteError, RendezvousError) as error:
+    except (ValueError, TrainingStopped, CheckpointWriteError, RendezvousError, IndexCacheTimeout) as error:
         print(f"error (rank {os.environ.get('RANK', '0')}): {error}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -194,19 +194,21 @@ class BlendedDataset:
 
 def load_or_build_blending_indices(weights: np.ndarray, num_samples: int, cache: IndexCache | None,
                                    dataset_keys: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """Blending indices from the cache when present, else built (and cached when a cache is given).
+    """Blending indices from the cache (see IndexCache.load_or_build), or built in memory without one.
 
     The indices depend only on the normalized weights and the number of samples; dataset_keys (e.g. the prefixes)
-    only label the cache's description file for people.
+    only label the cache's record for people.
     """
     description = {"class": "BlendedDataset", "version": BLEND_INDEX_VERSION, "weights": weights.tolist(),
                    "num_samples": int(num_samples)}
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
-    names = ("dataset_index", "dataset_sample_index")
-    if cache is not None and (arrays := cache.load(key, names)) is not None:
-        return arrays["dataset_index"], arrays["dataset_sample_index"]
-    dataset_index, dataset_sample_index = build_blending_indices(weights, num_samples)
-    if cache is not None:
-        cache.save(key, {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index},
-                   {**description, "datasets": list(dataset_keys)})
-    return dataset_index, dataset_sample_index
+    def build() -> dict[str, np.ndarray]:
+        dataset_index, dataset_sample_index = build_blending_indices(weights, num_samples)
+        return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+    if cache is None:
+        arrays = build()
+    else:
+        arrays, _ = cache.load_or_build(key, ("dataset_index", "dataset_sample_index"), build,
+                                        {**description, "datasets": list(dataset_keys)})
+    return arrays["dataset_index"], arrays["dataset_sample_index"]

@@ -11,7 +11,7 @@ For the documents of one split (a contiguous range of document ids, Megatron's "
 - shuffle_index (S,): the order in which samples are served.
 
 The arrays are built with vectorised numpy in chunks (no compiled helper) and cached on disk as .npy under a hash of
-everything that affects them.
+everything that affects them (data/index_cache.py: one process per node builds, the others memory-map the result).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.blended_dataset import BlendedDataset, load_or_build_blending_indices, normalize_weights
-from data.index_cache import IndexCache
+from data.index_cache import IndexCache, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, idx_path
 
 GPT_INDEX_VERSION = 1
@@ -198,7 +198,8 @@ class GPTDataset:
     """Samples of seq_length + 1 tokens (int64) from documents [begin, end) of an indexed dataset.
 
     ``len()`` is every sample of the epochs built (at least ``num_samples``); ``dataset[i]`` is (seq_length + 1,).
-    With a cache, the index arrays are loaded memory-mapped when present, else built and saved.
+    With a cache, the index arrays are memory-mapped from it, built and saved first when this process is the cache's
+    builder, or waited for when it is not (data/index_cache.py). ``index_built`` says whether this process built them.
     """
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], seq_length: int, num_samples: int,
@@ -212,11 +213,15 @@ class GPTDataset:
         self.indexed, self.seq_length = indexed, seq_length
         self.spec = GPTIndexSpec(dataset_fingerprint(indexed) if cache else "", (begin, end), seq_length,
                                  num_samples, seed)
-        arrays = cache.load(self.spec.key(), INDEX_NAMES) if cache else None
-        if arrays is None:
-            arrays = build_gpt_index(indexed.document_lengths(), (begin, end), seq_length, num_samples, seed)
-            if cache:
-                cache.save(self.spec.key(), arrays, self.spec.description(indexed.prefix))
+
+        def build() -> dict[str, np.ndarray]:
+            return build_gpt_index(indexed.document_lengths(), (begin, end), seq_length, num_samples, seed)
+
+        if cache is None:
+            arrays, self.index_built = build(), True
+        else:
+            arrays, self.index_built = cache.load_or_build(self.spec.key(), INDEX_NAMES, build,
+                                                           self.spec.description(indexed.prefix))
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -249,16 +254,20 @@ class GPTDataset:
 
 
 def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
-                       seed: int, cache_dir: str | None = None) -> list[GPTDataset | BlendedDataset | None]:
+                       seed: int, cache_dir: str | None = None, cache_policy: IndexCachePolicy | None = None
+                       ) -> list[GPTDataset | BlendedDataset | None]:
     """Train, valid and test datasets from Megatron's --data-path and --split.
 
     num_samples: samples wanted for (train, valid, test); a split with 0 samples gives None. Several weighted
-    prefixes give BlendedDatasets whose components are split alike. cache_dir: where index arrays are cached
-    (None: built in memory each time).
+    prefixes give BlendedDatasets whose components are split alike. Index arrays are cached as ``cache_policy``
+    says (training/data.py gives one: beside each dataset by default), else in ``cache_dir`` when given, else
+    built in memory each time; the blending indices go to the first dataset's cache.
     """
     prefixes, weights = parse_data_path(data_path)
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
-    cache = IndexCache(cache_dir) if cache_dir else None
+    if cache_policy is None and cache_dir:
+        cache_policy = IndexCachePolicy(directory=cache_dir)
+    caches = [cache_policy.cache_for(prefix) if cache_policy else None for prefix in prefixes]
     ranges = [split_document_ranges(dataset.num_documents, split) for dataset in indexed]
     result: list[GPTDataset | BlendedDataset | None] = []
     for split_number, wanted in enumerate(num_samples):
@@ -266,11 +275,11 @@ def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: i
             result.append(None)
             continue
         if len(indexed) == 1:
-            result.append(GPTDataset(indexed[0], ranges[0][split_number], seq_length, wanted, seed, cache))
+            result.append(GPTDataset(indexed[0], ranges[0][split_number], seq_length, wanted, seed, caches[0]))
             continue
-        indices = load_or_build_blending_indices(normalize_weights(weights), wanted, cache, prefixes)
+        indices = load_or_build_blending_indices(normalize_weights(weights), wanted, caches[0], prefixes)
         counts = np.bincount(indices[0], minlength=len(indexed))
-        parts = [GPTDataset(dataset, ranges[k][split_number], seq_length, int(counts[k]), seed, cache)
+        parts = [GPTDataset(dataset, ranges[k][split_number], seq_length, int(counts[k]), seed, caches[k])
                  if counts[k] else [] for k, dataset in enumerate(indexed)]
         result.append(BlendedDataset(parts, *indices))
     return result

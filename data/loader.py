@@ -16,7 +16,7 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -100,6 +100,79 @@ class MicroBatchLoader:
         if consumed < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed}")
         self.consumed_samples = consumed
+
+
+Transfer = Callable[[MicroBatch], MicroBatch]
+
+
+def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], batch):
+    """``batch`` (nested tuples or lists of tensors) with ``function`` applied to every tensor."""
+    if isinstance(batch, torch.Tensor):
+        return function(batch)
+    return type(batch)(map_tensors(function, item) for item in batch)
+
+
+def pinned_non_blocking_copy(device: torch.device) -> Transfer:
+    """Pin each tensor and issue its copy to ``device`` without waiting for it (on the current stream, before any
+    kernel that reads it is queued, so every reader sees the copied data)."""
+    return lambda batch: map_tensors(lambda tensor: tensor.pin_memory().to(device, non_blocking=True), batch)
+
+
+class DevicePrefetcher:
+    """Micro-batches of a loader, with the next one already on its way to the device.
+
+    DeepSpeed's pipeline engine copies each micro-batch to the device with a blocking ``.to(device)`` on the first
+    and last stages: from pageable memory that copy waits for every kernel queued before it, so the host stops
+    feeding the GPU at each micro-batch. With a ``transfer`` (on CUDA: :func:`pinned_non_blocking_copy`), the copy
+    of micro-batch k + 1 is issued before micro-batch k is returned, and DeepSpeed's ``.to(device)`` finds the
+    tensors already there. Without one (on CPU) the loader's micro-batches pass through untouched. Either way the
+    order is the loader's.
+
+    ``consumed_samples`` is the data position of the next micro-batch this returns (training/faults.py reads it),
+    not the loader's, which runs one micro-batch ahead.
+    """
+
+    def __init__(self, loader: MicroBatchLoader, transfer: Transfer | None = None) -> None:
+        self.loader, self.transfer = loader, transfer
+        self._next: tuple[int, MicroBatch] | None = None  # (data position, transferred micro-batch), fetched ahead
+        self._exhausted = False
+
+    @classmethod
+    def for_device(cls, loader: MicroBatchLoader, device: torch.device) -> DevicePrefetcher:
+        """Prefetching on CUDA; a pass-through anywhere else."""
+        if device.type == "cuda" and torch.cuda.is_available():
+            return cls(loader, pinned_non_blocking_copy(device))
+        return cls(loader)
+
+    @property
+    def consumed_samples(self) -> int:
+        return self._next[0] if self._next is not None else self.loader.consumed_samples
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return self
+
+    def __next__(self) -> MicroBatch:
+        if self.transfer is None:
+            return next(self.loader)
+        if self._next is None:
+            self._fetch()
+        if self._next is None:
+            raise StopIteration
+        _, current = self._next
+        self._fetch()  # micro-batch k + 1's copy is issued before micro-batch k is returned
+        return current
+
+    def _fetch(self) -> None:
+        self._next = None
+        if self._exhausted:
+            return
+        position = self.loader.consumed_samples
+        try:
+            batch = next(self.loader)
+        except StopIteration:
+            self._exhausted = True
+            return
+        self._next = (position, self.transfer(batch))
 
 
 def indexed_datasets(dataset: object) -> list[IndexedDataset]:

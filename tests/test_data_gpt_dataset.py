@@ -138,15 +138,16 @@ def test_split_datasets_use_only_their_documents(corpus) -> None:
 def test_the_cached_index_is_reused(corpus, tmp_path, monkeypatch) -> None:
     cache = IndexCache(tmp_path / "cache")
     built = GPTDataset(corpus, (0, 60), SEQ_LENGTH, 40, seed=3, cache=cache)
-    files = sorted(os.listdir(tmp_path / "cache"))
+    files = sorted(os.listdir(tmp_path / "cache"))  # three arrays and the record that says they are complete
     assert len(files) == 4 and all(name.startswith(built.spec.key()) for name in files)
+    assert built.index_built and f"{built.spec.key()}-record.json" in files
 
     def must_not_build(*args, **kwargs):
         raise AssertionError("the index was rebuilt instead of loaded from the cache")
 
     monkeypatch.setattr(gpt_module, "build_gpt_index", must_not_build)
     loaded = GPTDataset(corpus, (0, 60), SEQ_LENGTH, 40, seed=3, cache=cache)
-    assert isinstance(loaded.sample_index, np.memmap)
+    assert isinstance(loaded.sample_index, np.memmap) and not loaded.index_built
     assert all(np.array_equal(built[i], loaded[i]) for i in range(len(built)))
     with pytest.raises(AssertionError, match="rebuilt"):  # anything that changes the arrays changes the key
         GPTDataset(corpus, (0, 60), SEQ_LENGTH, 40, seed=4, cache=cache)

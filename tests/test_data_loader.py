@@ -1,4 +1,5 @@
-"""The loader: Megatron's sampler rule per data-parallel rank, DeepSpeed's tuple, exact resume, the vocabulary check."""
+"""The loader: Megatron's sampler rule per data-parallel rank, DeepSpeed's tuple, exact resume, the vocabulary check,
+and the device prefetcher (a pass-through on CPU; on CUDA the next micro-batch's copy is issued first)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from data.loader import MicroBatchLoader, check_token_ids_fit
+from data.loader import DevicePrefetcher, MicroBatchLoader, check_token_ids_fit, map_tensors
+from training.faults import FaultPlan, FaultyLoader
 
 SEQ_LENGTH = 6
 
@@ -141,3 +143,52 @@ def test_start_up_check_of_token_ids_against_the_vocabulary(tmp_path) -> None:
     check_token_ids_fit(dataset, 60001)
     with pytest.raises(ValueError, match=r"wide_ids\.bin: token id 60000 does not fit the model's vocabulary of 51200"):
         check_token_ids_fit(dataset, 51200)
+
+
+def flat(micro_batch) -> list[torch.Tensor]:
+    (tokens, position_ids), (labels, loss_mask) = micro_batch
+    return [tokens, position_ids, labels, loss_mask]
+
+
+def test_on_cpu_the_prefetcher_yields_the_loaders_micro_batches_unchanged() -> None:
+    expected = list(MicroBatchLoader(Counting(50), 2, 1, 2, consumed_samples=8))
+    prefetcher = DevicePrefetcher.for_device(MicroBatchLoader(Counting(50), 2, 1, 2, consumed_samples=8),
+                                             torch.device("cpu"))
+    assert prefetcher.transfer is None
+    got = list(prefetcher)
+    assert len(got) == len(expected) == 10
+    assert all(torch.equal(a, b) and a.dtype == b.dtype
+               for x, y in zip(got, expected, strict=True) for a, b in zip(flat(x), flat(y), strict=True))
+    assert prefetcher.consumed_samples == 48
+
+
+def test_the_next_micro_batch_is_transferred_before_the_current_one_is_returned() -> None:
+    events = []
+
+    def transfer(micro_batch):  # stands for pin_memory() + .to("cuda", non_blocking=True)
+        events.append(("transfer", sample_ids(micro_batch)[0]))
+        return map_tensors(torch.clone, micro_batch)
+
+    loader = MicroBatchLoader(Counting(10), 2, 0, 1)  # 5 micro-batches: samples 0-1, 2-3, ..., 8-9
+    prefetcher = DevicePrefetcher(loader, transfer)
+    assert prefetcher.consumed_samples == 0 and events == []  # nothing is read before the first next()
+    positions = []
+    for micro_batch in prefetcher:
+        positions.append(prefetcher.consumed_samples)
+        events.append(("returned", sample_ids(micro_batch)[0]))
+    assert events == [("transfer", 0), ("transfer", 2), ("returned", 0), ("transfer", 4), ("returned", 2),
+                      ("transfer", 6), ("returned", 4), ("transfer", 8), ("returned", 6), ("returned", 8)]
+    assert positions == [2, 4, 6, 8, 10]  # the next micro-batch it returns, though the loader is one ahead
+    with pytest.raises(StopIteration):
+        next(prefetcher)
+
+
+def test_faults_see_the_same_data_positions_through_the_prefetcher() -> None:
+    plan = FaultPlan(garbage_samples=[6, 10])
+    plain = list(FaultyLoader(MicroBatchLoader(Counting(20), 2, 0, 1), plan, vocab_size=100_000))
+    prefetched = list(FaultyLoader(DevicePrefetcher(MicroBatchLoader(Counting(20), 2, 0, 1),
+                                                    lambda batch: map_tensors(torch.clone, batch)),
+                                   plan, vocab_size=100_000))
+    garbage = [bool((flat(batch)[0] >= 100_000 - 256).all()) for batch in prefetched]
+    assert garbage == [False, False, False, True, True, False, False, False, False, False]
+    assert all(torch.equal(a, b) for x, y in zip(prefetched, plain, strict=True) for a, b in zip(flat(x), flat(y), strict=True))

@@ -87,7 +87,12 @@ class DataConfig:
     split: str = "969,30,1"
     """Train/valid/test proportions of the documents."""
     cache_dir: str | None = None
-    """Where the sample index arrays are cached (default: beside each dataset)."""
+    """Where the sample index arrays are cached. Default: an ``index-cache`` folder beside each dataset, or, when the
+    dataset's folder is not writable, ``<training.save>/index-cache`` (``~/.cache/mtnlg-ds/index-cache`` without a
+    save directory); the choice is printed at start-up. One process per node (LOCAL_RANK 0) builds the arrays, the
+    others memory-map them (data/index_cache.py)."""
+    cache_timeout_s: float = 1800.0
+    """How long the other processes of a node wait for its first process to build the index arrays."""
     eod_mask_loss: bool = False
     """Do not train on predicting the end-of-document token."""
     eod_token_id: int = 50256
@@ -100,6 +105,8 @@ class DataConfig:
             parse_split(self.split)
         except ValueError as error:
             raise ValueError(f"data.split: {error}") from None
+        if self.cache_timeout_s <= 0:
+            raise ValueError(f"data.cache_timeout_s must be positive, got {self.cache_timeout_s}")
         for i, entry in enumerate(self.blend):
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (int, float))
                     and entry[0] > 0 and isinstance(entry[1], str)):

@@ -1,4 +1,4 @@
-"""The run's data: datasets checked at start-up, sample indices built once, one loader per DP rank."""
+"""The run's data: datasets checked at start-up, sample indices built once per node, one loader per DP rank."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch.distributed as dist
-
 from data.gpt_dataset import build_gpt_datasets
+from data.index_cache import DEFAULT_FALLBACK_DIRECTORY, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, check_vocab_size
-from data.loader import MicroBatchLoader
-from model.parallel import ParallelContext
+from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset
+from model.parallel import ParallelContext, device
 from training.config import RunConfig
 
 LoaderFactory = Callable[[int], Iterator]
@@ -47,20 +46,36 @@ def samples_needed(config: RunConfig) -> tuple[int, int, int]:
     return train, valid, 0
 
 
-def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:
-    """Datasets are built by the first rank of each node first (they cache their index arrays), then the others."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    train = valid = None
-    for turn in (True, False):
-        if (local_rank == 0) == turn:
-            train, valid, _ = build_gpt_datasets(blend_as_data_path(config), config.data.split, config.model.seq_length,
-                                                 samples_needed(config), config.training.seed, config.data.cache_dir)
-        dist.barrier()
+def index_cache_policy(config: RunConfig) -> IndexCachePolicy:
+    """data.cache_dir, or beside each dataset with <save>/index-cache (else ~/.cache/...) for read-only folders;
+    the node's first process (LOCAL_RANK 0) builds, the others wait up to data.cache_timeout_s."""
+    save = config.training.save
+    fallback = os.path.join(save, "index-cache") if save else DEFAULT_FALLBACK_DIRECTORY
+    return IndexCachePolicy(directory=config.data.cache_dir, fallback_directory=fallback,
+                            builds=int(os.environ.get("LOCAL_RANK", "0")) == 0, timeout_s=config.data.cache_timeout_s)
 
-    def factory(dataset) -> LoaderFactory:
-        return lambda consumed_samples: MicroBatchLoader(
+
+def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | None]:
+    """(train, valid) datasets; their index arrays built once per node and memory-mapped by every process."""
+    policy = index_cache_policy(config)
+    data_path = blend_as_data_path(config)
+    if policy.builds:
+        for prefix in data_path[1::2]:
+            directory, why = policy.locate(prefix)
+            print(f"index cache of {prefix}: {directory} ({why})", flush=True)
+    train, valid, _ = build_gpt_datasets(data_path, config.data.split, config.model.seq_length,
+                                         samples_needed(config), config.training.seed, cache_policy=policy)
+    return train, valid
+
+
+def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:
+    """One loader per DP rank from a data position; on CUDA it pins and prefetches the next micro-batch."""
+    train, valid = build_datasets(config)
+
+    def factory(dataset: SampleDataset) -> LoaderFactory:
+        return lambda consumed_samples: DevicePrefetcher.for_device(MicroBatchLoader(
             dataset, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
-            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id)
+            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id), device())
 
     return factory(train), (factory(valid) if valid is not None else None)

@@ -9,6 +9,8 @@ untouched, and count the step in ``engine.skipped_steps``. Three things lead the
 - a loss spike: on the last pipeline stage, at the step's last micro-batch, the guard compares the mean loss of the
   step's micro-batches with its window of recent step losses and, for a spike, multiplies that micro-batch's loss
   by NaN, so the step's accumulated gradients become NaN on every stage and the update is skipped like the others.
+  The guard reads training losses only (evaluation runs the same loss function outside a step) and reads them on
+  the host once per step, not once per micro-batch.
 
 The trainer learns what happened from ``engine.skipped_steps`` and one small all-reduce per step (the spike flag and
 loss travel from the last stage with the stop flag).
@@ -17,6 +19,7 @@ loss travel from the last stage with the stop flag).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,40 +54,68 @@ class SpikeGuardConfig:
 
 @dataclass
 class SpikeGuard:
-    """Lives in the loss function of the last pipeline stage (one per data-parallel replica)."""
+    """Lives in the loss function of the last pipeline stage (one per data-parallel replica).
+
+    Active only from ``begin_step`` to ``end_step``, the training step: evaluation (DeepSpeed's ``eval_batch`` calls
+    the same loss function) neither feeds the window nor is judged by it. Within a step the micro-batch losses are
+    summed on the device; at the last one the comparison with the threshold (a host number, from the window) also
+    runs on the device, and its outcome multiplies that loss by 1 or NaN. The host reads the step's mean loss and
+    the outcome once, in ``end_step``, after DeepSpeed's own read of the step's loss.
+    """
 
     config: SpikeGuardConfig
     history: deque = field(default_factory=deque)
+    """Recent step losses (mean of the step's micro-batch losses on this replica), the latest last."""
     micro_batches: int = 0
-    seen: list = field(default_factory=list)
+    seen: int = 0
     spike_loss: float | None = None
+    active: bool = False
+    _loss_sum: torch.Tensor | None = None  # on the device: the step's micro-batch losses so far
+    _outcome: torch.Tensor | None = None  # on the device, after the last micro-batch: [step loss, 1.0 if a spike]
+    _limit: float | None = None
 
     def begin_step(self, micro_batches: int) -> None:
-        self.micro_batches, self.seen, self.spike_loss = micro_batches, [], None
+        self.micro_batches, self.seen, self.spike_loss, self.active = micro_batches, 0, None, True
+        self._loss_sum = self._outcome = None
+        self._limit = self.threshold() if self.config.enabled else None
 
     def threshold(self) -> float | None:
         if len(self.history) < self.config.window:
             return None
-        losses = torch.tensor(list(self.history), dtype=torch.float64)
-        mean, std = losses.mean().item(), losses.std().item()
+        mean, std = statistics.fmean(self.history), statistics.stdev(self.history)
         return mean + max(self.config.threshold_std * std, self.config.min_increase * mean)
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor:
-        """Called with each micro-batch loss; returns it, or NaN x it when the step is a spike."""
-        self.seen.append(float(loss.detach()))
-        if len(self.seen) < self.micro_batches:
+        """Called with each micro-batch loss; returns it, or NaN x it at the last micro-batch of a spike."""
+        if not self.active or self.seen >= self.micro_batches:
             return loss
-        step_loss = sum(self.seen) / len(self.seen)
-        if not math.isfinite(step_loss):
-            return loss  # skipped by DeepSpeed anyway; not part of the window
-        limit = self.threshold()
-        if self.config.enabled and limit is not None and step_loss > limit:
+        detached = loss.detach().float()
+        self._loss_sum = detached.clone() if self._loss_sum is None else self._loss_sum + detached
+        self.seen += 1
+        if self.seen < self.micro_batches:
+            return loss
+        step_loss = self._loss_sum / self.seen  # as DeepSpeed averages the step's loss: the same bits
+        if self._limit is None:  # disabled, or the window is not full yet
+            self._outcome = torch.stack([step_loss, torch.zeros_like(step_loss)])
+            return loss
+        # A non-finite step is skipped by DeepSpeed anyway: not a spike, and not part of the window.
+        spike = torch.isfinite(step_loss) & (step_loss > self._limit)
+        self._outcome = torch.stack([step_loss, spike.float()])
+        return loss * torch.where(spike, float("nan"), 1.0).to(loss.dtype)
+
+    def end_step(self) -> None:
+        """Close the step: one host read of [step loss, spike], then the window or ``spike_loss`` is updated."""
+        self.active = False
+        if self._outcome is None:  # not the last stage, or the step did not finish
+            return
+        step_loss, spike = self._outcome.tolist()
+        self._loss_sum = self._outcome = None
+        if spike:
             self.spike_loss = step_loss
-            return loss * float("nan")
-        self.history.append(step_loss)
-        while len(self.history) > self.config.window:
-            self.history.popleft()
-        return loss
+        elif math.isfinite(step_loss):
+            self.history.append(step_loss)
+            while len(self.history) > self.config.window:
+                self.history.popleft()
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history)}

@@ -95,7 +95,7 @@ class Trainer:
         self.noise_scale_schedule = config.noise_scale_schedule(ctx.data_parallel_size)
         self.faults = FaultPlan.from_environment()
         self.spike_guard = SpikeGuard(config.training.spike_guard_config())
-        if self.spike_guard.config.enabled:  # it reads every micro-batch loss (a device sync): only when asked
+        if self.spike_guard.config.enabled:  # it reads the step's loss (one host sync per step): only when asked
             attach_spike_guard(engine, self.spike_guard)
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -149,7 +149,10 @@ class Trainer:
         skipped_before = self.engine.skipped_steps
         loader.step = self.state.step + 1
         self.spike_guard.begin_step(self.engine.gradient_accumulation_steps())
-        loss = self.engine.train_batch(data_iter=loader).item()
+        try:
+            loss = self.engine.train_batch(data_iter=loader).item()
+        finally:
+            self.spike_guard.end_step()  # evaluation, which runs the same loss function, finds the guard inactive
         self.noise_scale.after_step()  # collective: every rank, every step
         self.state.step += 1
         self.state.global_batch = batch
