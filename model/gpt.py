@@ -13,6 +13,11 @@ What flows between layers (and between pipeline stages) is documented here, once
 
 Every layer is built from (ModelConfig, ParallelContext, seed, layer_number) and initialises itself (model/init.py),
 so a stage holds exactly its part of the unsplit model.
+
+Dropout draws from two random streams (model/random.py tabulates them): the embedding dropout (PositionEmbedding) and
+the hidden dropout after each row-parallel output (TransformerLayer) from torch's default stream, the same on every
+TP rank of a stage; the attention dropout inside SDPA (SelfAttention) from the tensor-parallel stream, different on
+every TP rank and stage. The layers of one model share one tensor-parallel ``RNGStream``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from model.config import ModelConfig
 from model.init import normal_sharded_, parameter_seed
 from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from model.parallel import ParallelContext
+from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
 EMBEDDING_LAYER = 0  # layer_number of the embeddings in seeds; blocks are 1..L, the final norm L + 1
 
@@ -74,12 +80,14 @@ class SelfAttention(nn.Module):
     whole heads with their q, k and v.
     """
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
+                 rng: RNGStream) -> None:
         super().__init__()
         h = config.hidden_size
         self.heads = config.num_attention_heads // ctx.tensor_parallel_size
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
+        self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
         self.qkv = ColumnParallelLinear(h, 3 * h, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"))
         self.dense = RowParallelLinear(h, h, ctx, init_std=config.output_layer_init_std,
@@ -89,8 +97,9 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim)  # (b, s, nh/R, 3, d)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (b, nh/R, s, d)
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        with self.rng.fork(enabled=dropout > 0):
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/R)
         return self.dense(context)  # (b, s, h)
 
@@ -112,16 +121,21 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
+    """Pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))).
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+    ``rng`` is the model's tensor-parallel stream, shared by all its layers; a layer built alone gets its own.
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
+                 rng: RNGStream | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.attention = SelfAttention(config, ctx, seed, layer_number)
+        self.attention = SelfAttention(config, ctx, seed, layer_number,
+                                       rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = MLP(config, ctx, seed, layer_number)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = nn.Dropout(config.hidden_dropout)  # on replicated (b, s, h): the default stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.ln1(x)))  # (b, s, h)
@@ -133,15 +147,18 @@ class FinalLayerNorm(nn.LayerNorm):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
 
 
-def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> list:
-    """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled)."""
+def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> list:
+    """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled).
+
+    ``rng``: the tensor-parallel stream the blocks share (a new one seeded for this rank when not given)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+    rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
     embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed, tied_weight_attr="weight")
     return [
         embedding(),  # a module: saved as layer_00
         LayerSpec(PositionEmbedding, config, ctx, seed),
-        *[LayerSpec(TransformerLayer, config, ctx, seed, n) for n in range(1, config.num_layers + 1)],
+        *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng) for n in range(1, config.num_layers + 1)],
         LayerSpec(FinalLayerNorm, config, ctx, seed),
         embedding(forward_fn=output_logits),
     ]
@@ -157,19 +174,25 @@ def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Ten
 
 
 def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str):
-    """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it)."""
+    """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it).
+
+    Its ``tensor_parallel_rng`` is the stage's tensor-parallel stream, which checkpoints save and restore. Activation
+    checkpointing replays that stream in the recompute (model/random.py)."""
     from deepspeed.pipe import PipelineModule
 
     config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size)
-    return PipelineModule(
-        layers=gpt_layer_specs(config, ctx, seed),
+    rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
+    module = PipelineModule(
+        layers=gpt_layer_specs(config, ctx, seed, rng),
         topology=ctx.topology,
         loss_fn=partial(gpt_loss, ctx),
         partition_method=partition_method,
         activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
-        activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+        activation_checkpoint_func=partial(checkpoint, rng),
         checkpointable_layers=["TransformerLayer"],
     )
+    module.tensor_parallel_rng = rng
+    return module
 
 
 class GPT(nn.Module):
@@ -181,9 +204,11 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None, seed: int = 1234) -> None:
         super().__init__()
         self.ctx = ctx or ParallelContext()
+        self.tensor_parallel_rng = RNGStream(tensor_parallel_stream_seed(seed, self.ctx))
         self.word_embeddings = WordEmbedding(config, self.ctx, seed)
         self.position_embedding = PositionEmbedding(config, self.ctx, seed)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n) for n in range(1, config.num_layers + 1))
+        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng)
+                                    for n in range(1, config.num_layers + 1))
         self.final_norm = FinalLayerNorm(config, self.ctx, seed)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,12 @@ class VocabParallelEmbedding(nn.Module):
         logits = F.linear(hidden, self.weight)  # (b, s, V/R)
         padded = self.vocab_end - max(self.vocab_size, self.vocab_start)
         if padded > 0:
-            logits = torch.cat([logits[..., :-padded], torch.full_like(logits[..., -padded:], float("-inf"))], -1)
+            # In place on the matmul output (its backward does not read it): no copy of the logits. Outside autograd:
+            # the cross-entropy's gradient at a -inf logit is exactly 0 (softmax 0; labels are real ids), so autograd's
+            # handling of an in-place fill, a copy of the whole (b, s, V/R) gradient to zero its padded columns, would
+            # only zero zeros.
+            with torch.no_grad():
+                logits[..., -padded:].fill_(float("-inf"))
         return logits
 
     def extra_repr(self) -> str:
@@ -134,41 +139,72 @@ class RowParallelLinear(nn.Module):
                 f"out {self.out_features}, bias={self.bias is not None} (added once, after the reduce)")
 
 
+# The loss works in fp32 on at most this many logits at a time (64 MiB), never on a full-size fp32 copy.
+LOSS_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _shifted_exp(logits: torch.Tensor, logits_max: torch.Tensor) -> torch.Tensor:
+    """exp(logits - max) in a new fp32 tensor (rows, V/R); the logits themselves are never written."""
+    return logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1)).exp_()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary: three all-reduces of (b, s) tensors, never the full logits."""
+    """Cross-entropy over logits split by vocabulary: three all-reduces of (b, s) tensors, never the full logits.
+
+    Memory, with t = b s tokens and logits (t, V/R) in their own dtype (bf16 on GPUs):
+    - fp32 throughout, one chunk of rows at a time (``LOSS_CHUNK_ELEMENTS``): no full-size fp32 tensor exists;
+    - saved for backward: the logits themselves (the input, not a copy: the pipeline engine keeps them until the
+      backward anyway) and five per-token tensors (global max, sum of exps, local label, two masks);
+    - backward recomputes each chunk's softmax from the logits, makes it the gradient in place
+      (softmax - one_hot(label)) x d loss, and writes it straight into the gradient, in the logits' dtype.
+    Every value is computed by the same fp32 operations as over the whole tensor at once.
+    """
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start, ignore_index):
-        logits = logits.float()  # (b, s, V/R)
-        local_max = logits.max(dim=-1).values
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)  # (t, V/R)
+        logits_max = flat.max(dim=-1).values.float()  # (t,): the max of bf16 values is exact in bf16
         if group_size(group) > 1:
-            torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)  # (b, s, V/R), global max subtracted for stability
+            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
 
-        ignored = labels == ignore_index  # (b, s)
+        labels = labels.reshape(-1)  # (t,)
+        ignored = labels == ignore_index
         local_labels = labels - vocab_start
-        mine = (local_labels >= 0) & (local_labels < logits.shape[-1]) & ~ignored
+        mine = (local_labels >= 0) & (local_labels < vocab) & ~ignored
         local_labels = local_labels.masked_fill(~mine, 0)
-        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        target_logit = flat.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).float()
+        target_logit = target_logit.sub_(logits_max).masked_fill_(~mine, 0.0)  # (t,), global max subtracted
 
-        exp = shifted.exp_()  # reuse the buffer: (b, s, V/R)
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = torch.empty_like(logits_max)  # (t,)
+        for rows in _row_chunks(flat.shape[0], vocab):
+            sum_exp[rows] = _shifted_exp(flat[rows], logits_max[rows]).sum(dim=-1)
         if group_size(group) > 1:
             torch.distributed.all_reduce(target_logit, group=group)
             torch.distributed.all_reduce(sum_exp, group=group)
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)  # (b, s)
+        loss = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)  # (t,)
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, mine, ignored)
-        return loss
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_labels, mine, ignored)
+        return loss.view(logits.shape[:-1])  # (b, s)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_labels, mine, ignored = ctx.saved_tensors
-        grad = softmax.clone()  # d loss / d logits = softmax - one_hot(label)
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad, None, None, None, None
+        logits, logits_max, sum_exp, local_labels, mine, ignored = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)  # (t, V/R)
+        scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0)  # (t,)
+        grad = torch.empty_like(flat)  # (t, V/R) in the logits' dtype
+        for rows in _row_chunks(flat.shape[0], vocab):
+            softmax = _shifted_exp(flat[rows], logits_max[rows]).div_(sum_exp[rows].unsqueeze(-1))
+            # d loss / d logits = softmax - one_hot(label), on the rank that owns the label
+            softmax.scatter_add_(-1, local_labels[rows].unsqueeze(-1), -mine[rows].unsqueeze(-1).to(softmax.dtype))
+            grad[rows] = softmax.mul_(scale[rows].unsqueeze(-1))
+        return grad.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start: int,

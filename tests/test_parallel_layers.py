@@ -11,6 +11,10 @@ Tolerant comparisons (rtol 1e-5, atol 1e-6 in fp32), and why:
 - any result of an all-reduce (row-parallel output, column-parallel input gradient, the cross-entropy): R partial
   sums are added in another order than one long sum, which changes the last bits of an fp32 result;
 - column-parallel outputs and weight gradients: BLAS may block a matmul differently for N/R rows than for N.
+
+Memory of the output head and the loss (single process, exact byte counts): the head allocates its matmul output and
+nothing else, and the loss saves for backward the logits themselves (no copy) plus five per-token tensors.
+benchmarks/bench_head_memory.py measures the peak at 1.3B scale.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import model.layers
 from model.config import ParallelConfig
 from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from model.parallel import ParallelContext, build_parallel_context
@@ -120,6 +127,81 @@ def test_tp1_cross_entropy_equals_torch(references):
     torch.testing.assert_close(ours["loss"], torch_ref["loss"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours["grad_logits"], torch_ref["grad_logits"], rtol=1e-6, atol=1e-7)
     assert torch.all(ours["loss"][0, 1] == 0) and torch.all(ours["grad_logits"][0, 1] == 0)  # ignored position
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Bytes of the new storage that the ops run under it return (views and in-place results share their input's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_head_fills_the_padded_rows_in_place():
+    """The padded rows' logits are -inf, written into the matmul's output (no copy in the forward, no extra tensor in
+    the backward), and through the cross-entropy they change no gradient: padded rows of the weight get exactly 0."""
+    layer = VocabParallelEmbedding(PADDED, K, ParallelContext(), vocab_size=VOCAB, init_std=0.02, seed=13)
+    hidden = _inputs(B, S, K, seed=16).requires_grad_()
+    labels = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(9))
+    with _NewStorageBytes() as allocated:
+        logits = layer.logits(hidden)
+    assert allocated.bytes == B * S * PADDED * 4  # the matmul's output, and no copy of it
+    assert torch.all(logits[..., VOCAB:] == float("-inf"))
+    assert torch.equal(logits[..., :VOCAB], F.linear(hidden, layer.weight[:VOCAB]))
+    assert logits.grad_fn.name() != "CopySlices"  # autograd would copy the whole gradient to zero the padded columns
+    vocab_parallel_cross_entropy(logits, labels, None, 0).sum().backward()
+    assert torch.all(layer.weight.grad[VOCAB:] == 0)
+
+    real_weight = layer.weight.detach()[:VOCAB].clone().requires_grad_()
+    real_hidden = hidden.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(real_hidden, real_weight).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum").backward()
+    torch.testing.assert_close(layer.weight.grad[:VOCAB], real_weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(hidden.grad, real_hidden.grad, rtol=1e-5, atol=1e-7)
+
+
+PER_TOKEN_SAVED_BYTES = 4 + 4 + 8 + 1 + 1  # global max, sum of exps (fp32), local label (int64), two bool masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_saves_only_the_logits_and_per_token_tensors(dtype):
+    """Before issue 12 the loss saved an fp32 softmax beside its inputs (and its backward cloned it); now the only
+    full-size tensor it saves is its input, which the pipeline engine holds until the backward anyway."""
+    logits = (_inputs(B, S, PADDED, seed=8) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(logits, labels, None, 0, IGNORE)
+    full_size = [t for t in saved if t.numel() == logits.numel()]
+    assert len(full_size) == 1 and full_size[0].data_ptr() == logits.data_ptr() and full_size[0].dtype == dtype
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert saved_bytes == logits.numel() * logits.element_size() + B * S * PER_TOKEN_SAVED_BYTES
+    loss.sum().backward()
+    assert logits.grad.dtype == dtype
+
+
+def test_cross_entropy_in_chunks_changes_no_bit(monkeypatch):
+    """The loss works on row chunks of the logits; chunks of 3 rows give the bits of one chunk of all B x S rows."""
+    def loss_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = (_inputs(B, S, PADDED, seed=8) * 3).to(torch.bfloat16).requires_grad_()
+        labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+        labels[0, 1] = IGNORE
+        loss = vocab_parallel_cross_entropy(logits, labels, None, 0, IGNORE)
+        (loss * _inputs(B, S, seed=10)).sum().backward()
+        return loss.detach(), logits.grad
+
+    whole = loss_and_grad()
+    monkeypatch.setattr(model.layers, "LOSS_CHUNK_ELEMENTS", 3 * PADDED)
+    chunked = loss_and_grad()
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
 @pytest.mark.distributed

@@ -1,10 +1,10 @@
 """Where checkpoints are written and read.
 
 A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
-optimizer shards) plus ``rank_state_<R>.pt`` per global rank (RNG states, spike-guard window), and the training state (step, consumed samples and
-tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names the newest COMPLETE checkpoint: it is
-written by rank 0 only after every rank has finished writing (a barrier), to a temporary file, fsynced, and renamed
-over the old one. A crash while writing leaves the previous ``latest`` in place.
+optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG streams, spike-guard window), and the
+training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names
+the newest COMPLETE checkpoint: it is written by rank 0 only after every rank has finished writing (a barrier), to a
+temporary file, fsynced, and renamed over the old one. A crash while writing leaves the previous ``latest`` in place.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from model.random import RNGStream
 
 LATEST = "latest"
 
@@ -68,17 +70,22 @@ def check_writable(directory: str | Path) -> None:
                          f"choose a writable directory with free space") from None
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state()}
+def rng_state(tensor_parallel_rng: RNGStream) -> dict[str, Any]:
+    """Both dropout streams of this rank (model/random.py): torch's default generators and the model's
+    tensor-parallel stream."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    state["tensor_parallel"] = tensor_parallel_rng.state_dict()
     return state
 
 
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def set_rng_state(state: dict[str, Any], tensor_parallel_rng: RNGStream) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tensor_parallel" in state:  # absent from checkpoints written before the stream existed: it keeps its seed
+        tensor_parallel_rng.load_state_dict(state["tensor_parallel"])
 
 
 class CheckpointWriteError(RuntimeError):
@@ -99,7 +106,8 @@ def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state:
     previous = read_latest(directory)
     try:
         engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
-        torch.save({"rng": rng_state(), **(rank_state or {})}, _rank_state_file(directory, tag, dist.get_rank()))
+        torch.save({"rng": rng_state(engine.module.tensor_parallel_rng), **(rank_state or {})},
+                   _rank_state_file(directory, tag, dist.get_rank()))
         if before_commit:
             before_commit()
     except OSError as error:
@@ -146,5 +154,5 @@ def load_checkpoint(engine: Any, directory: str | Path) -> tuple[dict[str, Any],
         raise ValueError(f"{rank_file} is missing: the checkpoint was written by a different number of processes "
                          f"or is incomplete; relaunch with the same world size, or restore the file")
     rank_state = torch.load(rank_file, weights_only=True)
-    set_rng_state(rank_state.pop("rng"))
+    set_rng_state(rank_state.pop("rng"), engine.module.tensor_parallel_rng)
     return client_state, rank_state

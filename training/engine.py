@@ -10,6 +10,7 @@ from torch import nn
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
+from model.random import default_stream_seed
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -24,14 +25,15 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
                  seed: int) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
 
-    ``deepspeed_config`` holds DeepSpeed's own keys only. The torch RNG is seeded identically on every rank so that
-    dropout masks of replicated activations agree across tensor-parallel ranks.
+    ``deepspeed_config`` holds DeepSpeed's own keys only. torch's default random stream is seeded per pipeline stage,
+    the same on every TP rank of a stage, so that dropout masks of replicated activations agree across TP ranks; the
+    model's tensor-parallel stream is seeded per TP rank and stage (model/random.py says which serves which dropout).
     """
     import deepspeed
 
     init_distributed()
     context = build_parallel_context(parallel_config)
-    torch.manual_seed(seed)
+    torch.manual_seed(default_stream_seed(seed, context))
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),
