@@ -21,8 +21,9 @@ from model.config import ParallelConfig
 class ParallelContext:
     """Where this process sits in the TP x PP x DP grid.
 
-    ``tensor_parallel_group`` / ``data_parallel_group`` are None when no process group exists: a single process,
-    or a meta-device build of one rank of a large run (which runs no forward pass).
+    ``tensor_parallel_group`` is None when no process group exists: TP 1, a single process, or a meta-device build
+    of one rank of a large run (which runs no forward pass). The data-parallel and pipeline groups are DeepSpeed's:
+    its PipelineParallelGrid (``engine.grid``) builds them and its engine is their only user.
     """
 
     tensor_parallel_size: int = 1
@@ -32,7 +33,6 @@ class ParallelContext:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     tensor_parallel_group: Any = None
-    data_parallel_group: Any = None
     topology: Any = None
 
     def __post_init__(self) -> None:
@@ -135,7 +135,16 @@ def init_distributed(timeout_minutes: int = 30, rendezvous_timeout_s: float | No
 
 
 def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
-    """Create the TP and DP process groups of this world (collective: every rank must call it)."""
+    """The tensor-parallel process groups of this world (collective: every rank must call it), and this rank's place.
+
+    Only the groups this project uses are created here: the TP groups, which the sharded layers and the
+    vocab-parallel loss need when they are built, before DeepSpeed's PipelineModule (and its grid) exists. Every
+    other group is DeepSpeed's own, created once by the PipelineModule's PipelineParallelGrid. On CUDA every
+    ``new_group`` call is an ncclCommSplit of the world communicator that all ranks join (DeepSpeed binds the device
+    at init_process_group), so a group nobody uses is start-up time on every rank: at TP 8 x PP 35 x DP 16 (4,480
+    GPUs) the data-parallel groups built here before were 280 such splits. The TP groups have the ranks of the grid's
+    slice groups (560 more there); tests/test_process_groups.py counts every call.
+    """
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     world_size = dist.get_world_size()
@@ -144,16 +153,15 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
                                              num_mp=parallel.tensor_parallel_size, num_dp=dp_size)
     rank = dist.get_rank()
     tp_group = _my_group(topology.get_axis_comm_lists("model"), rank)
-    dp_group = _my_group(topology.get_axis_comm_lists("data"), rank)
     coord = topology.get_coord(rank)
     return ParallelContext(tensor_parallel_size=parallel.tensor_parallel_size, tensor_parallel_rank=coord.model,
                            pipeline_parallel_size=parallel.pipeline_parallel_size, pipeline_parallel_rank=coord.pipe,
                            data_parallel_size=dp_size, data_parallel_rank=coord.data,
-                           tensor_parallel_group=tp_group, data_parallel_group=dp_group, topology=topology)
+                           tensor_parallel_group=tp_group, topology=topology)
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> Any:
-    """new_group is collective: every rank creates every group, and keeps the one it belongs to.
+    """new_group is collective: every rank creates every group, in the same order, and keeps the one it belongs to.
 
     An axis of size 1 gets no group (None): the primitives are then identities.
     """

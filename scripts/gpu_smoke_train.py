@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""train.py, then this rank's peak CUDA memory, for scripts/gpu_smoke.sh (the trainer does not log memory yet).
+
+    deepspeed --num_gpus 1 scripts/gpu_smoke_train.py --ds_config ds_configs/125m.json --set training.max_steps=30
+
+Takes exactly train.py's arguments and exit status. After the run, each rank prints one line
+    [memory] rank 0 | peak allocated 12.34 GiB | peak reserved 13.00 GiB | device NVIDIA H200
+(torch.cuda.max_memory_allocated / max_memory_reserved over the whole run); on CPU it prints nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: train.py and its packages
+
+import train  # noqa: E402
+
+
+def memory_line() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gib = 2**30
+    return (f"[memory] rank {os.environ.get('RANK', '0')} | peak allocated {torch.cuda.max_memory_allocated() / gib:.2f}"
+            f" GiB | peak reserved {torch.cuda.max_memory_reserved() / gib:.2f} GiB | "
+            f"device {torch.cuda.get_device_name()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    status = train.main(argv)
+    line = memory_line()
+    if line:
+        print(line, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""MFU's denominator: every listed device name maps to its product's dense bf16 peak; an unknown GPU says so once.
+
+The names are what ``torch.cuda.get_device_name()`` returns on each product. The peaks are the vendors' dense
+figures (half the sparsity figure NVIDIA prints with an asterisk); training/metrics.py cites the data sheet of each.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from training import metrics
+from training.metrics import GPU_PEAKS, UNKNOWN_GPU_MESSAGE, match_gpu, resolve_peak_tflops
+from training.planner import GPU_PRESETS
+
+DEVICE_NAMES = [
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM (40 or 80 GB)", 312.0),
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM (40 or 80 GB)", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe (40 or 80 GB)", 312.0),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe (40 or 80 GB)", 312.0),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.0),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.0),
+    ("NVIDIA H200", "H200 SXM", 989.0),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.0),
+    ("NVIDIA GH200 480GB", "GH200", 989.0),
+    ("NVIDIA B200", "B200", 2250.0),
+    ("NVIDIA GB200", "GB200", 2500.0),
+    ("NVIDIA L40S", "L40S", 362.05),
+    ("NVIDIA L40", "L40", 181.05),
+    ("NVIDIA L4", "L4", 121.0),
+    ("NVIDIA H800", "H800 SXM", 989.0),
+    ("NVIDIA H800 PCIe", "H800 PCIe", 756.0),
+    ("NVIDIA A800-SXM4-80GB", "A800", 312.0),
+    ("Tesla V100-SXM2-32GB", "V100 SXM2", 125.0),
+    ("Tesla V100-PCIE-16GB", "V100 PCIe", 112.0),
+    ("Tesla V100S-PCIE-32GB", "V100S PCIe", 130.0),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_reports(monkeypatch):
+    """Each test starts with nothing said yet (the messages are once per process)."""
+    monkeypatch.setattr(metrics, "_REPORTED", set())
+
+
+@pytest.mark.parametrize("name, product, peak", DEVICE_NAMES)
+def test_device_name_maps_to_its_product_and_peak(name, product, peak):
+    gpu = match_gpu(name)
+    assert gpu is not None and (gpu.product, gpu.dense_bf16_tflops) == (product, peak)
+    messages = []
+    assert resolve_peak_tflops(None, name, messages.append) == peak
+    assert len(messages) == 1 and gpu.product in messages[0] and f"{peak:g} TFLOP/s" in messages[0]
+
+
+def test_l4_is_not_an_l40s_nor_an_h200_a_gh200():
+    """Substring matching gave "NVIDIA L4" nothing, and would give it the L40S's peak if the table were reordered;
+    word boundaries make each product's rule match its own name only."""
+    assert match_gpu("NVIDIA L4").dense_bf16_tflops == 121.0
+    assert match_gpu("NVIDIA L40S").dense_bf16_tflops == 362.05
+    assert match_gpu("NVIDIA GH200 480GB").product == "GH200"
+    assert match_gpu("NVIDIA H200").product == "H200 SXM"
+    assert match_gpu("NVIDIA H20") is None  # a different product (148 TFLOP/s), not an H200
+
+
+def test_every_rule_is_reached_by_one_of_the_listed_names():
+    """No rule is shadowed by an earlier, broader one (most specific first), and every product is tested above."""
+    assert {gpu.product for gpu in GPU_PEAKS} == {product for _, product, _ in DEVICE_NAMES}
+    for gpu in GPU_PEAKS:
+        assert gpu.datasheet and gpu.dense_bf16_tflops > 0
+
+
+def test_unknown_gpu_gives_no_peak_and_says_so_once():
+    messages = []
+    for _ in range(3):  # the trainer may be built several times in one process
+        assert resolve_peak_tflops(None, "NVIDIA RTX PRO 9000", messages.append) is None
+    assert messages == [UNKNOWN_GPU_MESSAGE.format(name="NVIDIA RTX PRO 9000")]
+    assert messages[0].startswith("MFU n/a: set training.peak_tflops_per_gpu")
+
+
+def test_configured_peak_wins_and_cpu_has_none():
+    messages = []
+    assert resolve_peak_tflops(500.0, "NVIDIA H100 80GB HBM3", messages.append) == 500.0
+    assert resolve_peak_tflops(500.0, "NVIDIA RTX PRO 9000", messages.append) == 500.0
+    assert resolve_peak_tflops(None, None, messages.append) is None  # CPU: nothing to say, the log shows MFU n/a
+    assert messages == []
+
+
+def test_default_report_prints_on_rank_zero_only(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    assert resolve_peak_tflops(None, "NVIDIA RTX PRO 9000") is None
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(metrics, "_REPORTED", set())
+    monkeypatch.setenv("RANK", "0")
+    assert resolve_peak_tflops(None, "NVIDIA RTX PRO 9000") is None
+    assert capsys.readouterr().out.startswith("MFU n/a: set training.peak_tflops_per_gpu")
+
+
+@pytest.mark.parametrize("preset, name", [("a100-80gb", "NVIDIA A100-SXM4-80GB"), ("a100-40gb", "NVIDIA A100-SXM4-40GB"),
+                                          ("h100-80gb", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")])
+def test_planner_presets_use_the_same_peaks(preset, name):
+    assert GPU_PRESETS[preset].peak_tflops == match_gpu(name).dense_bf16_tflops
