@@ -23,6 +23,7 @@ every TP rank and stage. The layers of one model share one tensor-parallel ``RNG
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,35 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
         LayerSpec(FinalLayerNorm, config, ctx, seed),
         embedding(forward_fn=output_logits),
     ]
+
+
+def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
+    """How DeepSpeed's universal-checkpoint converter merges this model's TP slices, by parameter name.
+
+    Names are DeepSpeed's: the layer index in gpt_layer_specs, then the module path (0 and L + 3: the tied word
+    embedding, ``tied_modules.word_embeddings.weight``; 1: positions; 2 .. L + 1: blocks; L + 2: the final norm).
+    Everything not listed is column-parallel and concatenated on dim 0: QKV (rows grouped per head, so TP slices
+    hold whole heads), its bias, fc1 and its bias. The vocabulary padding is cut off and re-added for the new TP.
+    """
+    from deepspeed.checkpoint import constants as uc
+
+    block = r"\d+\."
+    word_embedding = r"tied_modules\.word_embeddings\.weight$"
+    return {
+        uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        uc.VOCABULARY_PARAMETER_PATTERNS: [word_embedding],
+        uc.ORIGINAL_VOCAB_SIZE: config.vocab_size,
+        uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [word_embedding],
+        uc.TP_REPLICATED_PARAMETER_PATTERNS: [
+            r"1\.weight$",  # positions
+            block + r"ln[12]\.(weight|bias)$",
+            block + r"attention\.dense\.bias$",  # row-parallel biases are added once, after the all-reduce
+            block + r"mlp\.fc2\.bias$",
+            rf"{config.num_layers + 2}\.(weight|bias)$",  # the final norm
+        ],
+        uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [block + r"attention\.dense\.weight$",
+                                                     block + r"mlp\.fc2\.weight$"],
+    }
 
 
 def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

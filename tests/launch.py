@@ -37,14 +37,19 @@ def launcher_env(faults: dict | None = None) -> dict[str, str]:
 TWO_PROCESSES = ["parallelism.tensor_parallel_size=1", "parallelism.pipeline_parallel_size=2"]
 
 
-def train_arguments(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                    processes: int = 4) -> list[str]:
-    """train.py and its arguments: the test run's overrides, its data, checkpoint directory and length."""
-    sets = [*OVERRIDES, f"training.save={save}", f"training.max_steps={max_steps}",
+def run_overrides(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
+                  processes: int = 4) -> list[str]:
+    """The --set items of a test run: the overrides above, its data, checkpoint directory and length."""
+    return [*OVERRIDES, f"training.save={save}", f"training.max_steps={max_steps}",
             f"data.blend=[[1.0, \"{data_prefix}\"]]", f"data.cache_dir=\"{save.parent / 'index-cache'}\"",
             *(TWO_PROCESSES if processes == 2 else []), *extra]
+
+
+def train_arguments(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
+                    processes: int = 4) -> list[str]:
+    """train.py and its arguments."""
     arguments = ["train.py", "--ds_config", "ds_configs/tiny-cpu.json"]
-    for item in sets:
+    for item in run_overrides(data_prefix, save, max_steps, extra, processes):
         arguments += ["--set", item]
     return arguments
 

@@ -5,12 +5,26 @@ optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG s
 training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names
 the newest COMPLETE checkpoint: it is written by rank 0 only after every rank has finished writing (a barrier), to a
 temporary file, fsynced, and renamed over the old one. A crash while writing leaves the previous ``latest`` in place.
+
+Before ``latest`` moves, rank 0 writes ``<tag>/checkpoint.json``: the layout that wrote it (TP x PP x DP) and every
+file's size and CRC-32, computed by all ranks (a share each). On resume the record is checked, by all ranks again,
+before DeepSpeed unpickles anything. A checkpoint written at another layout is converted once by DeepSpeed's
+universal-checkpoint converter into ``<save>/universal/<tag>/`` and loaded from there (``load_universal``). Old
+checkpoints are deleted, by rank 0 and after ``latest`` has moved, as ``training.keep_last`` / ``keep_every`` say.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zlib
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +34,9 @@ import torch.distributed as dist
 from model.random import RNGStream
 
 LATEST = "latest"
+RECORD = "checkpoint.json"
+UNIVERSAL = "universal"
+_TAG = re.compile(r"global_step(\d+)$")
 
 
 def tag_for_step(step: int) -> str:
@@ -70,6 +87,244 @@ def check_writable(directory: str | Path) -> None:
                          f"choose a writable directory with free space") from None
 
 
+# -- layout and integrity record ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """The split that wrote a checkpoint (or that runs now)."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+
+    def __str__(self) -> str:
+        return f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} x DP {self.data_parallel_size}"
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> Layout:
+        grid = engine.grid  # DeepSpeed's PipelineParallelGrid over this run's topology
+        return cls(grid.get_tensor_model_parallel_world_size(), grid.get_pipe_parallel_world_size(),
+                   grid.get_data_parallel_world_size())
+
+
+def _crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """Files are checksummed by all ranks, a strided share each, so a 7 TB checkpoint is read once, in parallel."""
+    return names[dist.get_rank()::dist.get_world_size()]
+
+
+def write_record(directory: Path, tag: str, layout: Layout) -> None:
+    """Collective, after every rank has written its files: sizes and CRC-32 of every file, and the layout."""
+    folder = directory / tag
+    names = sorted(path.name for path in folder.iterdir() if path.is_file() and path.name != RECORD)
+    mine = {name: {"bytes": (folder / name).stat().st_size, "crc32": _crc32(folder / name)} for name in _my_share(names)}
+    shares: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(shares, mine)
+    if dist.get_rank() == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        record = {"tag": tag, "layout": asdict(layout), "files": dict(sorted(files.items()))}
+        temporary = folder / f".{RECORD}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, folder / RECORD)
+
+
+def read_record(directory: str | Path, tag: str) -> dict[str, Any] | None:
+    """The record of a checkpoint, or None for one written before records existed (or one never completed)."""
+    path = Path(directory) / tag / RECORD
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return {"damaged": f"{path} is not valid JSON ({error})"}
+
+
+def saved_layout(directory: str | Path, tag: str) -> Layout | None:
+    record = read_record(directory, tag)
+    return Layout(**record["layout"]) if record and "layout" in record else None
+
+
+def _damage(directory: str | Path, tag: str, names: list[str] | None) -> list[str]:
+    """What is wrong with the files ``names`` of a checkpoint (all of them when None) against its record."""
+    folder = Path(directory) / tag
+    record = read_record(directory, tag)
+    if record is None:
+        return []
+    if "damaged" in record:
+        return [record["damaged"]]
+    problems = []
+    for name in sorted(record["files"]) if names is None else names:
+        expected, path = record["files"][name], folder / name
+        if not path.exists():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != expected["bytes"]:
+            problems.append(f"{path} has {path.stat().st_size:,} bytes, the record says {expected['bytes']:,} "
+                            f"(truncated or overwritten)")
+        elif _crc32(path) != expected["crc32"]:
+            problems.append(f"{path} does not match its CRC-32 in {RECORD} (corrupted)")
+    return problems
+
+
+def verify_alone(directory: str | Path, tag: str) -> list[str]:
+    """One process checks every file (tools)."""
+    return _damage(directory, tag, None)
+
+
+def find_damage(directory: str | Path, tag: str) -> list[str]:
+    """Collective: what is wrong with a checkpoint's files against its record (empty: intact, or no record); each
+    rank reads a share of the files."""
+    record = read_record(directory, tag)
+    if record is None or "damaged" in record:
+        return _damage(directory, tag, None)
+    problems = _damage(directory, tag, _my_share(sorted(record["files"])))
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, problems)
+    return sorted(problem for share in gathered for problem in share)
+
+
+def checkpoint_tags(directory: str | Path) -> list[str]:
+    """global_stepN folders, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    tags = [path.name for path in directory.iterdir() if path.is_dir() and _TAG.match(path.name)]
+    return sorted(tags, key=lambda tag: int(_TAG.match(tag).group(1)))
+
+
+def choose_checkpoint(directory: str | Path, fallback: bool, log: Callable[[str], None] = print) -> str | None:
+    """Collective: the checkpoint to resume from, checked against its record before anything is unpickled.
+
+    A damaged ``latest`` stops the run naming the damage and the previous complete checkpoint, or, with ``fallback``
+    (training.fallback_on_corrupt_checkpoint), resumes from that one and says so."""
+    latest = read_latest(directory)
+    if latest is None:
+        return None
+    damage = find_damage(directory, latest)
+    if not damage:
+        return latest
+    earlier = [tag for tag in checkpoint_tags(directory) if _step(tag) < _step(latest)]
+    previous = next((tag for tag in reversed(earlier) if read_record(directory, tag) is not None
+                     and not find_damage(directory, tag)), None)
+    what = f"checkpoint {Path(directory) / latest} is damaged: " + "; ".join(damage)
+    if fallback and previous:
+        log(f"WARNING: {what}. Resuming from the previous complete checkpoint {previous} instead "
+            f"(training.fallback_on_corrupt_checkpoint); the steps after it are trained again")
+        return previous
+    advice = (f"the previous complete checkpoint is {Path(directory) / previous}: set "
+              f"training.fallback_on_corrupt_checkpoint=true to resume from it, or restore the files"
+              if previous else "no earlier complete checkpoint exists: restore the files")
+    raise ValueError(f"{what}. {advice}")
+
+
+def _step(tag: str) -> int:
+    return int(_TAG.match(tag).group(1))
+
+
+def prune(directory: str | Path, keep_last: int | None, keep_every: int | None) -> list[str]:
+    """Rank 0, after ``latest`` has moved: delete checkpoints older than ``latest`` except the newest ``keep_last``
+    complete ones and every ``keep_every``-th step. None keeps everything. Returns the deleted tags."""
+    if keep_last is None:
+        return []
+    directory = Path(directory)
+    latest = read_latest(directory)
+    tags = [tag for tag in checkpoint_tags(directory) if _step(tag) <= _step(latest)]
+    complete = [tag for tag in tags if read_record(directory, tag) is not None]
+    kept = set(complete[-keep_last:]) | {latest}
+    kept |= {tag for tag in tags if keep_every and _step(tag) % keep_every == 0}
+    deleted = [tag for tag in tags if tag not in kept]
+    for tag in deleted:
+        shutil.rmtree(directory / tag, ignore_errors=True)
+        shutil.rmtree(directory / UNIVERSAL / tag, ignore_errors=True)
+    return deleted
+
+
+# -- another layout: DeepSpeed's universal checkpoint ---------------------------------------------------------------
+def convert_to_universal(directory: str | Path, tag: str, workers: int = 2, show_progress: bool = False) -> Path:
+    """DeepSpeed's converter, strict, into ``<save>/universal/<tag>`` (written under a temporary name and renamed,
+    so an interrupted conversion is never taken for a finished one). Reuses a finished conversion. With
+    ``show_progress`` the converter's own log and progress bars go to stderr as it runs."""
+    directory = Path(directory)
+    output = directory / UNIVERSAL / tag
+    if output.is_dir():
+        return output
+    temporary = directory / UNIVERSAL / f".{tag}.tmp-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(directory / tag),
+               "--output_folder", str(temporary), "--num_extract_workers", str(workers),
+               "--num_merge_workers", str(max(1, workers // 2))]
+    if show_progress:
+        result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, text=True)
+        log = "(see its output above)"
+    else:
+        result = subprocess.run(command, capture_output=True, text=True)
+        log = (result.stdout + result.stderr)[-3000:]
+    if result.returncode != 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise ValueError(f"DeepSpeed's universal-checkpoint converter failed on {directory / tag}:\n{log}")
+    os.replace(temporary, output)
+    (directory / UNIVERSAL / "latest_universal").write_text(tag)  # the converter wrote the temporary name there
+    return output
+
+
+def wait_for_universal(directory: str | Path, tag: str, timeout_s: float) -> Path:
+    """Ranks other than 0 wait, bounded, for rank 0's conversion."""
+    output = Path(directory) / UNIVERSAL / tag
+    deadline = time.monotonic() + timeout_s
+    while not output.is_dir():
+        if time.monotonic() > deadline:
+            raise ValueError(f"{output} did not appear within {timeout_s:g} s: rank 0 converts the checkpoint to the "
+                             f"new layout; see its log, or convert ahead of time with tools/reshape_checkpoint.py "
+                             f"(training.reshape_timeout_s sets this limit)")
+        time.sleep(1.0)
+    return output
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, and how: directly, or through its universal conversion."""
+
+    directory: str
+    tag: str
+    written_at: Layout | None
+    now: Layout
+
+    @property
+    def reshaped(self) -> bool:
+        return self.written_at is not None and self.written_at != self.now
+
+    def describe(self) -> str:
+        written = f"written at {self.written_at}" if self.written_at else "(no layout record)"
+        return f"resumed {self.tag} {written}; now {self.now}"
+
+
+def prepare_resume(directory: str | Path, now: Layout, fallback: bool, timeout_s: float,
+                   log: Callable[[str], None] = print) -> ResumePoint | None:
+    """Collective, before the engine is built: pick and check the checkpoint; if another layout wrote it, make sure
+    its universal conversion exists (rank 0 converts, the others wait). The engine then needs load_universal."""
+    tag = choose_checkpoint(directory, fallback, log)
+    if tag is None:
+        return None
+    point = ResumePoint(str(directory), tag, saved_layout(directory, tag), now)
+    if point.reshaped:
+        if dist.get_rank() == 0:
+            log(f"{point.tag} was written at {point.written_at}; this run is {now}: converting it with DeepSpeed's "
+                f"universal-checkpoint converter into {Path(directory) / UNIVERSAL / tag}")
+            convert_to_universal(directory, tag)
+        else:
+            wait_for_universal(directory, tag, timeout_s)
+    return point
+
+
 def rng_state(tensor_parallel_rng: RNGStream) -> dict[str, Any]:
     """Both dropout streams of this rank (model/random.py): torch's default generators and the model's
     tensor-parallel stream."""
@@ -97,10 +352,13 @@ def _rank_state_file(directory: Path, tag: str, rank: int) -> Path:
 
 
 def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any],
-                    rank_state: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None) -> str:
-    """Collective: every rank writes its shards and its own state (RNG, guards); ``latest`` moves only once all have
-    finished. A failure to write (full disk, lost mount) raises CheckpointWriteError naming the previous checkpoint;
-    the failing rank exits and the launcher ends the job, so no rank waits forever at the barrier."""
+                    rank_state: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None,
+                    keep: tuple[int | None, int | None] = (None, None)) -> tuple[str, list[str]]:
+    """Collective: every rank writes its shards and its own state (RNG, guards); then the record (sizes, CRC-32,
+    the engine's layout); ``latest`` moves only once all of that is on disk; then rank 0 deletes what ``keep`` = (keep_last,
+    keep_every) no longer keeps. Returns the tag and the deleted tags. A failure to write (full disk, lost mount)
+    raises CheckpointWriteError naming the previous checkpoint; the failing rank exits and the launcher ends the job,
+    so no rank waits forever at the barrier."""
     directory = Path(directory)
     tag = tag_for_step(step)
     previous = read_latest(directory)
@@ -110,16 +368,19 @@ def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state:
                    _rank_state_file(directory, tag, dist.get_rank()))
         if before_commit:
             before_commit()
+        dist.barrier()
+        write_record(directory, tag, Layout.of_engine(engine))
     except OSError as error:
         raise CheckpointWriteError(
             f"rank {dist.get_rank()} could not write checkpoint {directory / tag}: {error.strerror or error}. "
             f"{LATEST} still names {previous or 'no checkpoint'}; free space or fix the mount, then relaunch to resume "
             f"from it (the partial {tag} directory is overwritten by the next save of that step)") from error
-    dist.barrier()
+    deleted = []
     if dist.get_rank() == 0:
         write_latest(directory, tag)
+        deleted = prune(directory, *keep)
     dist.barrier()
-    return tag
+    return tag, deleted
 
 
 def load_weights(engine: Any, directory: str | Path) -> int:
@@ -136,23 +397,35 @@ def load_weights(engine: Any, directory: str | Path) -> int:
     return int((client_state or {}).get("train_state", {}).get("consumed_tokens", 0))
 
 
-def load_checkpoint(engine: Any, directory: str | Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """Load the latest complete checkpoint into the engine; return (client_state, this rank's state), or None.
+def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Load a complete checkpoint into the engine (``point``, else ``latest``); return (client_state, this rank's
+    state), or None when there is none.
 
+    A reshaped point loads the universal conversion: DeepSpeed slices every fp32 master weight and Adam moment for
+    this rank and copies the weights into the model. The rank states (RNG streams, spike window) belong to ranks of
+    the old layout and are not used then: the streams keep the seeds of this rank, the window refills.
     DeepSpeed reads its own files with torch.load(weights_only=False) (its optimizer states hold Python objects);
     the files this project adds are read with weights_only=True.
     """
-    tag = read_latest(directory)
+    tag = point.tag if point else read_latest(directory)
     if tag is None:
         return None
+    if point and point.reshaped:
+        load_path, client_state = engine.load_checkpoint(str(Path(directory) / UNIVERSAL), tag=tag,
+                                                         load_optimizer_states=True, load_lr_scheduler_states=False)
+        engine._config.load_universal_checkpoint = False  # later loads (a spike rollback) read this run's own format
+        if load_path is None:
+            raise ValueError(f"DeepSpeed could not load the universal checkpoint {Path(directory) / UNIVERSAL / tag}")
+        return client_state, {}
     load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=False)
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {Path(directory) / tag}")
     rank_file = _rank_state_file(Path(directory), tag, dist.get_rank())
     if not rank_file.exists():
-        raise ValueError(f"{rank_file} is missing: the checkpoint was written by a different number of processes "
-                         f"or is incomplete; relaunch with the same world size, or restore the file")
+        raise ValueError(f"{rank_file} is missing: the checkpoint is incomplete (written by a different number of "
+                         f"processes without a layout record); restore the file")
     rank_state = torch.load(rank_file, weights_only=True)
     set_rng_state(rank_state.pop("rng"), engine.module.tensor_parallel_rng)
     return client_state, rank_state

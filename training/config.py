@@ -127,6 +127,17 @@ class TrainingConfig:
     """Checkpoint directory; the run resumes from its latest complete checkpoint by itself."""
     save_interval: int = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT)."""
+    keep_last: int | None = None
+    """Keep only the newest N complete checkpoints (older ones are deleted by rank 0 once the new ``latest`` is
+    committed). None: delete nothing."""
+    keep_every: int | None = None
+    """With keep_last: also keep, for good, the checkpoints of every M-th step."""
+    fallback_on_corrupt_checkpoint: bool = False
+    """When the latest checkpoint fails its integrity check on resume, load the previous complete one (and say so)
+    instead of stopping."""
+    reshape_timeout_s: float = 7200.0
+    """How long ranks wait for rank 0 to convert a checkpoint written at another TP x PP x DP (DeepSpeed's universal
+    checkpoint), before they stop with an error."""
     tensorboard_dir: str | None = None
     """TensorBoard event files (default: <save>/tensorboard when save is set)."""
     peak_tflops_per_gpu: float | None = None
@@ -160,6 +171,14 @@ class TrainingConfig:
             raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
         if not 0.0 <= self.noise_scale_beta < 1.0:
             raise ValueError(f"training.noise_scale_beta must be in [0, 1), got {self.noise_scale_beta}")
+        for name in ("keep_last", "keep_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1 (or null to keep everything), got {getattr(self, name)}")
+        if self.keep_every is not None and self.keep_last is None:
+            raise ValueError("training.keep_every only says what to keep besides training.keep_last: set keep_last "
+                             "too (nothing is deleted without it)")
+        if self.reshape_timeout_s <= 0:
+            raise ValueError(f"training.reshape_timeout_s must be positive, got {self.reshape_timeout_s}")
         if self.rendezvous_timeout_s <= 0:
             raise ValueError(f"training.rendezvous_timeout_s must be positive, got {self.rendezvous_timeout_s}")
         if self.max_consecutive_skips < 1:

@@ -8,11 +8,23 @@ import socket
 import torch.distributed as dist
 
 from model.parallel import init_distributed
-from training.checkpoint import check_writable
+from training.checkpoint import Layout, ResumePoint, check_writable, prepare_resume
 from training.config import RunConfig
 from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
 from training.trainer import Trainer, TrainState
+
+
+def resume_point(config: RunConfig) -> ResumePoint | None:
+    """Collective: the checked checkpoint to resume from; converted first when another layout wrote it."""
+    if not config.training.save:
+        return None
+    parallel = config.parallelism
+    now = Layout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                 parallel.data_parallel_size(dist.get_world_size()))
+    log = print if dist.get_rank() == 0 else (lambda message: None)
+    return prepare_resume(config.training.save, now, config.training.fallback_on_corrupt_checkpoint,
+                          config.training.reshape_timeout_s, log)
 
 
 def run(config: RunConfig) -> TrainState:
@@ -22,11 +34,16 @@ def run(config: RunConfig) -> TrainState:
         if config.training.save:
             check_writable(config.training.save)
         init_distributed(rendezvous_timeout_s=config.training.rendezvous_timeout_s)
-        engine, ctx = build_engine(config.model, config.parallelism, config.deepspeed, config.training.seed)
+        point = resume_point(config)
+        deepspeed_config = config.deepspeed
+        if point is not None and point.reshaped:
+            deepspeed_config = {**deepspeed_config,
+                                "checkpoint": {**deepspeed_config.get("checkpoint", {}), "load_universal": True}}
+        engine, ctx = build_engine(config.model, config.parallelism, deepspeed_config, config.training.seed)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {socket.gethostname()} (local rank "
               f"{os.environ.get('LOCAL_RANK', '0')}): {ctx.describe()}", flush=True)
         train_loader, valid_loader = build_loader_factories(config, ctx)
-        state = Trainer(config, engine, ctx, train_loader, valid_loader).train()
+        state = Trainer(config, engine, ctx, train_loader, valid_loader, point).train()
         finished = True
         return state
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model.gpt import universal_checkpoint_info
 from model.parallel import ParallelContext, device
 from training import checkpoint
 from training.config import RunConfig
@@ -80,9 +81,12 @@ class StepStatus:
 
 class Trainer:
     def __init__(self, config: RunConfig, engine: Any, ctx: ParallelContext, train_loader_factory,
-                 valid_loader_factory=None) -> None:
-        """``*_loader_factory(data_position)`` returns an iterator over this DP rank's micro-batches."""
+                 valid_loader_factory=None, resume_point: checkpoint.ResumePoint | None = None) -> None:
+        """``*_loader_factory(data_position)`` returns an iterator over this DP rank's micro-batches;
+        ``resume_point`` is the checked checkpoint to resume from (training/checkpoint.py prepare_resume)."""
         self.config, self.engine, self.ctx = config, engine, ctx
+        self.resume_point = resume_point
+        self.saved_step: int | None = None
         self.lr_schedule = config.learning_rate_schedule()
         self.batch_schedule = config.batch_schedule()
         self.seq_length = config.model.seq_length
@@ -216,6 +220,8 @@ class Trainer:
             "tokens_per_second": throughput["samples"] * self.seq_length / throughput["seconds"],
             "tflops_per_gpu": achieved,
             "mfu": mfu(achieved, self.peak_tflops),
+            # the largest allocation of this rank so far (rank 0: the first stage, which holds the most micro-batches)
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             **self.noise_scale.last,
         }
         self.logger.log("train", record)
@@ -235,28 +241,41 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self) -> None:
+        """Checkpoint the current step, once: the end of the run does not write again the step an interval wrote."""
         directory = self.config.training.save
-        if not directory:
+        if not directory or self.state.step == self.saved_step:
             return
-        tag = checkpoint.save_checkpoint(
+        training = self.config.training
+        tag, deleted = checkpoint.save_checkpoint(
             self.engine, directory, self.state.step,
             client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
                           "noise_scale": self.noise_scale.state_dict(),
                           "noise_scale_schedule": self.noise_scale_schedule.state_dict()
-                          if self.noise_scale_schedule is not None else None},
+                          if self.noise_scale_schedule is not None else None,
+                          "universal_checkpoint_info": universal_checkpoint_info(self.config.model)},
             rank_state={"spike_guard": self.spike_guard.state_dict()},
-            before_commit=lambda: self.faults.before_checkpoint_commit(self.state.step, dist.get_rank()))
+            before_commit=lambda: self.faults.before_checkpoint_commit(self.state.step, dist.get_rank()),
+            keep=(training.keep_last, training.keep_every))
+        self.saved_step = self.state.step
         self.logger.info(f"saved checkpoint {Path(directory) / tag}")
+        if deleted:
+            self.logger.info(f"deleted checkpoint(s) {', '.join(deleted)} (training.keep_last = {training.keep_last}, "
+                             f"keep_every = {training.keep_every})")
 
     def resume(self) -> None:
         directory = self.config.training.save
-        loaded = checkpoint.load_checkpoint(self.engine, directory) if directory else None
+        point = self.resume_point
+        loaded = checkpoint.load_checkpoint(self.engine, directory, point) if directory else None
         if loaded is None:
             if self.config.training.init_from:
                 self.initialise_from(self.config.training.init_from)
             return
         client_state, rank_state = loaded
         self._restore(client_state, rank_state)
+        self.saved_step = self.state.step
+        if point is not None and point.reshaped:
+            self.logger.info(f"{point.describe()}: fp32 master weights and Adam moments resliced by DeepSpeed's "
+                             f"universal checkpoint; dropout streams re-seeded for the new ranks")
         self.logger.info(f"resumed from {directory} at step {self.state.step}, {self.state.consumed_tokens:,} tokens, "
                          f"{self.state.consumed_samples:,} samples")
 
