@@ -8,6 +8,10 @@ wrong dataset: a malformed line, a missing key, invalid UTF-8, an empty document
 error naming the file and line, or with ``skip_bad_lines`` a counted skip of the whole line (for every key, so the
 outputs of several keys keep the same documents); and every key's output is finalized, not only the last.
 
+Several inputs (files or glob patterns) are read in the order given as one stream of documents; ``shard=(K, N)``
+tokenises only the K-th of N disjoint slices of that stream and writes a shard that ``data.sharding.merge_shards``
+joins with the others into the bytes of one run (see ``data.sharding``).
+
 Streaming: records are read in batches and at most ``4 * workers`` batches are in flight, the index arrays are
 spilled to disk, so memory does not grow with the corpus. Outputs are written under temporary names and renamed.
 """
@@ -19,20 +23,24 @@ import itertools
 import json
 import multiprocessing
 import os
+import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from data import sharding
 from data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
-from data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from data.sharding import InputSlice
+from data.tokenizers import TOKENIZER_BACKENDS, TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 INPUT_FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "dataset")
 _BOM = b"\xef\xbb\xbf"
 Record = bytes | dict  # a raw JSONL line, or a row that `datasets` already parsed
+Task = tuple[int, int, list[Record]]  # (number of the input slice, number of its first record, 1-based, records)
 
 
 class BadInputError(ValueError):
@@ -43,8 +51,8 @@ class BadInputError(ValueError):
 class PreprocessConfig:
     """What to tokenise and how (the flags of tools/preprocess_data.py)."""
 
-    input: str  # JSONL file (.gz too), or json/parquet/arrow file or saved dataset directory via `datasets`
-    output_prefix: str  # outputs are {output_prefix}_{key}_document.bin/.idx
+    input: str | Sequence[str]  # JSONL files (.gz too) or json/parquet/arrow files or saved datasets; globs allowed
+    output_prefix: str  # outputs are {output_prefix}_{key}_document.bin/.idx (a shard: see data.sharding)
     json_keys: tuple[str, ...] = ("text",)  # one output dataset per key
     workers: int = 1  # tokenising processes; 1 tokenises in this process
     append_eod: bool = False  # append the tokenizer's end-of-document id to every document
@@ -52,10 +60,14 @@ class PreprocessConfig:
     vocab_file: str | None = None  # GPT-2 vocab.json (default: the shipped one)
     merge_file: str | None = None  # GPT-2 merges.txt (default: the shipped one)
     tokenizer_model: str | None = None  # SentencePiece .model, or Hugging Face tokenizer.json / directory
+    tokenizer_backend: str = "auto"  # one of TOKENIZER_BACKENDS: tiktoken where exact, else `tokenizers`
+    parse_special_tokens: bool = False  # GPT2BPETokenizer: <|endoftext|> in a text is 50256 (Megatron-LM), not text
     skip_bad_lines: bool = False  # skip (and count) bad lines instead of stopping at the first
     input_format: str = "auto"  # one of INPUT_FORMATS; auto: directory -> dataset, .parquet, .arrow, else jsonl
     batch_size: int = 64  # documents per task sent to a worker (Pool.imap chunk)
     progress: bool = True  # progress bar on stderr
+    shard: tuple[int, int] | None = None  # (K, N): only the K-th (0-based) of N slices of the inputs
+    files: tuple[str, ...] = field(init=False)  # the input files, globs expanded, in order
 
     def __post_init__(self) -> None:
         self.json_keys = tuple(self.json_keys)
@@ -69,22 +81,42 @@ class PreprocessConfig:
             raise ValueError(f"input_format {self.input_format!r}: choose one of {', '.join(INPUT_FORMATS)}")
         if self.tokenizer_type not in TOKENIZER_TYPES:
             raise ValueError(f"tokenizer_type {self.tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
-        if not os.path.exists(self.input):
-            raise FileNotFoundError(f"input {self.input} does not exist")
+        if self.tokenizer_backend not in TOKENIZER_BACKENDS:
+            raise ValueError(f"tokenizer_backend {self.tokenizer_backend!r}: choose one of "
+                             f"{', '.join(TOKENIZER_BACKENDS)}")
+        if self.shard is not None:
+            self.shard = sharding.check_shard(*self.shard)
+        self.files = sharding.expand_inputs(self.input)
+        for path in self.files:
+            if self.format_of(path) == "jsonl" and os.path.getsize(path) == 0:
+                raise BadInputError(f"{path}: the file is empty (expected one JSON object per line)")
 
     def tokenizer_arguments(self) -> dict:
         return {"tokenizer_type": self.tokenizer_type, "vocab_file": self.vocab_file,
-                "merge_file": self.merge_file, "tokenizer_model": self.tokenizer_model}
+                "merge_file": self.merge_file, "tokenizer_model": self.tokenizer_model,
+                "backend": self.tokenizer_backend, "parse_special_tokens": self.parse_special_tokens}
 
-    def resolved_format(self) -> str:
+    def format_of(self, path: str) -> str:
+        """The format of one input: --input-format, or by its name (directory -> dataset, .parquet, .arrow, jsonl)."""
         if self.input_format != "auto":
             return self.input_format
-        if os.path.isdir(self.input):
+        if os.path.isdir(path):
             return "dataset"
         for suffix in ("parquet", "arrow"):
-            if self.input.endswith(f".{suffix}"):
+            if path.endswith(f".{suffix}"):
                 return suffix
         return "jsonl"
+
+    def slices(self) -> list[InputSlice]:
+        """What this run reads: every input whole, or this shard's slices."""
+        if self.shard is None:
+            return [InputSlice(path) for path in self.files]
+        cuttable = [self.format_of(path) == "jsonl" and not path.endswith(".gz") for path in self.files]
+        return sharding.shard_slices(self.files, cuttable, *self.shard)
+
+    def dataset_prefix(self) -> str:
+        """The prefix the datasets are written under: output_prefix, or this shard's."""
+        return self.output_prefix if self.shard is None else sharding.shard_prefix(self.output_prefix, *self.shard)
 
 
 @dataclass
@@ -92,6 +124,8 @@ class PreprocessReport:
     """What a run wrote and skipped."""
 
     outputs: list[str]  # dataset prefixes written, one per key
+    backend: str = ""  # what tokenised: tiktoken, tokenizers or sentencepiece
+    shard: tuple[int, int] | None = None  # (K, N) of a sharded run
     documents: int = 0
     tokens: dict[str, int] = field(default_factory=dict)  # per key, including eod tokens
     skipped: int = 0
@@ -104,8 +138,11 @@ class PreprocessReport:
         tokens = sum(self.tokens.values())
         lines = [f"{self.documents} documents, {tokens} tokens, {self.input_bytes / 1e6:.1f} MB in {seconds:.1f} s "
                  f"({self.documents / seconds:.0f} docs/s, {self.input_bytes / 1e6 / seconds:.2f} MB/s, "
-                 f"{tokens / seconds:.0f} tokens/s)"]
+                 f"{tokens / seconds:.0f} tokens/s) with {self.backend}"]
         lines += [f"  {prefix}.bin/.idx" for prefix in self.outputs]
+        if self.shard is not None:
+            lines.append(f"shard {self.shard[0]} of 0..{self.shard[1] - 1}; once all are written: "
+                         f"python tools/merge_datasets.py --shards <output prefix>")
         if self.skipped:
             lines.append(f"skipped {self.skipped} bad lines; the first ones:")
             lines += [f"  {example}" for example in self.skipped_examples]
@@ -120,40 +157,68 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 # ---------------------------------------------------------------------------------------------------------- reading
 
 
-def read_batches(config: PreprocessConfig) -> Iterator[tuple[int, list[Record]]]:
-    """(number of the first record, 1-based, records) in batches of config.batch_size, streaming."""
-    records = _jsonl_records(config.input) if config.resolved_format() == "jsonl" else _dataset_rows(config)
-    number = 1
-    while batch := list(itertools.islice(records, config.batch_size)):
-        yield number, batch
-        number += len(batch)
+def read_batches(config: PreprocessConfig, slices: Sequence[InputSlice]) -> Iterator[Task]:
+    """Tasks of config.batch_size records, slice after slice, streaming; a batch never spans two slices."""
+    for source, piece in enumerate(slices):
+        jsonl = config.format_of(piece.path) == "jsonl"
+        records = _jsonl_records(piece) if jsonl else _dataset_rows(piece.path, config)
+        number = 1
+        while batch := list(itertools.islice(records, config.batch_size)):
+            yield source, number, batch
+            number += len(batch)
 
 
-def _jsonl_records(path: str) -> Iterator[bytes]:
-    if os.path.getsize(path) == 0:
-        raise BadInputError(f"{path}: the file is empty (expected one JSON object per line)")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as stream:
-        yield from stream
+def _jsonl_records(piece: InputSlice) -> Iterator[bytes]:
+    """The lines of a slice; a UTF-8 byte-order mark at the start of the file is dropped."""
+    opener = gzip.open if piece.path.endswith(".gz") else open
+    with opener(piece.path, "rb") as stream:
+        stream.seek(piece.start)
+        position = piece.start
+        for line in stream:
+            if piece.end is not None and position >= piece.end:
+                return
+            if position == 0 and line.startswith(_BOM):
+                line = line[len(_BOM):]
+                position += len(_BOM)
+            position += len(line)
+            yield line
 
 
-def _dataset_rows(config: PreprocessConfig) -> Iterator[dict]:
+def _dataset_rows(path: str, config: PreprocessConfig) -> Iterator[dict]:
     import datasets
 
-    form = config.resolved_format()
+    form = config.format_of(path)
     if form == "dataset":
-        rows = datasets.load_from_disk(config.input)
+        rows = datasets.load_from_disk(path)
         if isinstance(rows, datasets.DatasetDict):
             if "train" not in rows:
-                raise BadInputError(f"{config.input}: a DatasetDict without a 'train' split ({list(rows)})")
+                raise BadInputError(f"{path}: a DatasetDict without a 'train' split ({list(rows)})")
             rows = rows["train"]
     else:
-        rows = datasets.load_dataset(form, data_files=config.input, split="train", streaming=True)
+        rows = datasets.load_dataset(form, data_files=path, split="train", streaming=True)
     for row in rows:
         if all(key in row for key in config.json_keys):
             yield {key: row[key] for key in config.json_keys}  # only what the workers need crosses processes
         else:
             yield dict(row)
+
+
+class _LineNumbers:
+    """File and line (or row) of a record, for messages; a slice starting inside a file counts the lines before
+    it only when a message needs them."""
+
+    def __init__(self, config: PreprocessConfig, slices: Sequence[InputSlice]) -> None:
+        self.slices = slices
+        self.jsonl = [config.format_of(piece.path) == "jsonl" for piece in slices]
+        self._lines_before: dict[int, int] = {}
+
+    def __call__(self, source: int, number: int) -> str:
+        piece = self.slices[source]
+        if not self.jsonl[source]:
+            return f"{piece.path}: row {number}"
+        if source not in self._lines_before:
+            self._lines_before[source] = sharding.count_lines_before(piece.path, piece.start)
+        return f"{piece.path}:{self._lines_before[source] + number}"
 
 
 # --------------------------------------------------------------------------------------------------------- encoding
@@ -163,13 +228,13 @@ def _dataset_rows(config: PreprocessConfig) -> Iterator[dict]:
 class EncodedBatch:
     """One batch, tokenised: per key, all tokens back to back with their sequence and document sizes."""
 
-    first_record: int
+    source: int  # number of the input slice
     num_documents: int
     input_bytes: int
     tokens: dict[str, np.ndarray]  # (tokens,) in the output dtype
     sequence_lengths: dict[str, np.ndarray]  # (sequences,)
     sequences_per_document: dict[str, np.ndarray]  # (num_documents,)
-    bad: list[tuple[int, str]]  # (record number, reason)
+    bad: list[tuple[int, str]]  # (record number in the slice, reason)
 
 
 class DocumentEncoder:
@@ -179,11 +244,11 @@ class DocumentEncoder:
         self.tokenizer, self.json_keys, self.append_eod = tokenizer, json_keys, append_eod
         self.dtype = optimal_dtype(tokenizer.vocab_size)
 
-    def parse(self, record: Record, number: int) -> list[list[str]] | str:
+    def parse(self, record: Record) -> list[list[str]] | str:
         """The sentences of each key, or the reason the record is bad."""
         if isinstance(record, bytes):
             try:
-                text = (record[len(_BOM):] if number == 1 and record.startswith(_BOM) else record).decode("utf-8")
+                text = record.decode("utf-8")
             except UnicodeDecodeError as error:
                 return f"invalid UTF-8 at byte offset {error.start} of the line"
             if not text.strip():
@@ -222,19 +287,19 @@ class DocumentEncoder:
                     encoded.append([])
             return encoded
 
-    def __call__(self, task: tuple[int, list[Record]]) -> EncodedBatch:
-        first, records = task
+    def __call__(self, task: Task) -> EncodedBatch:
+        source, first, records = task
         bad: dict[int, str] = {}
         documents: list[tuple[int, list[list[str]]]] = []
         for number, record in enumerate(records, start=first):
-            parsed = self.parse(record, number)
+            parsed = self.parse(record)
             if isinstance(parsed, str):
                 bad[number] = parsed
             else:
                 documents.append((number, parsed))
         per_key = [self._encode_key(documents, key_number, bad) for key_number in range(len(self.json_keys))]
         good = [i for i, (number, _) in enumerate(documents) if number not in bad]
-        result = EncodedBatch(first, len(good), sum(len(r) if isinstance(r, bytes) else 0 for r in records),
+        result = EncodedBatch(source, len(good), sum(len(r) if isinstance(r, bytes) else 0 for r in records),
                               {}, {}, {}, sorted(bad.items()))
         for key, encoded in zip(self.json_keys, per_key, strict=True):
             self._flatten(key, [encoded[i] for i in good], result)
@@ -267,21 +332,20 @@ class DocumentEncoder:
         result.sequences_per_document[key] = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
 
 
-_WORKER_ENCODER: DocumentEncoder | None = None  # one per worker process, built by _start_worker
+_WORKER_ENCODER: DocumentEncoder | None = None  # the main process's, handed to each worker by _start_worker
 
 
-def _start_worker(tokenizer_arguments: dict, json_keys: tuple[str, ...], append_eod: bool) -> None:
+def _start_worker(encoder: DocumentEncoder) -> None:
     global _WORKER_ENCODER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
-    _WORKER_ENCODER = DocumentEncoder(build_tokenizer(**tokenizer_arguments), json_keys, append_eod)
+    _WORKER_ENCODER = encoder  # built (and its vocabulary checked) once, in the main process
 
 
-def _encode_in_worker(task: tuple[int, list[Record]]) -> EncodedBatch:
+def _encode_in_worker(task: Task) -> EncodedBatch:
     return _WORKER_ENCODER(task)
 
 
-def encode_stream(config: PreprocessConfig, tasks: Iterable[tuple[int, list[Record]]],
-                  encoder: DocumentEncoder) -> Iterator[EncodedBatch]:
+def encode_stream(config: PreprocessConfig, tasks: Iterable[Task], encoder: DocumentEncoder) -> Iterator[EncodedBatch]:
     """Encoded batches in input order; with several workers at most 4 * workers batches are in flight."""
     if config.workers == 1:
         yield from map(encoder, tasks)
@@ -289,15 +353,14 @@ def encode_stream(config: PreprocessConfig, tasks: Iterable[tuple[int, list[Reco
     limit = 4 * config.workers
     in_flight, stopping = threading.Semaphore(limit), threading.Event()
 
-    def throttled() -> Iterator[tuple[int, list[Record]]]:  # runs in the pool's task-feeding thread
+    def throttled() -> Iterator[Task]:  # runs in the pool's task-feeding thread
         for task in tasks:
             in_flight.acquire()
             if stopping.is_set():
                 return
             yield task
 
-    arguments = (config.tokenizer_arguments(), config.json_keys, config.append_eod)
-    with multiprocessing.Pool(config.workers, initializer=_start_worker, initargs=arguments) as pool:
+    with multiprocessing.Pool(config.workers, initializer=_start_worker, initargs=(encoder,)) as pool:
         try:
             for result in pool.imap(_encode_in_worker, throttled(), chunksize=1):
                 in_flight.release()
@@ -314,11 +377,12 @@ def encode_stream(config: PreprocessConfig, tasks: Iterable[tuple[int, list[Reco
 class _Progress:
     """A tqdm bar in bytes (MB/s) with documents/s and tokens/s after it."""
 
-    def __init__(self, config: PreprocessConfig) -> None:
+    def __init__(self, config: PreprocessConfig, slices: Sequence[InputSlice]) -> None:
         from tqdm import tqdm
 
-        plain_file = config.resolved_format() == "jsonl" and not config.input.endswith(".gz")
-        total = os.path.getsize(config.input) if plain_file else None  # bytes of decoded records are counted
+        plain = all(config.format_of(piece.path) == "jsonl" and not piece.path.endswith(".gz") for piece in slices)
+        total = sum((piece.end if piece.end is not None else os.path.getsize(piece.path)) - piece.start
+                    for piece in slices) if plain else None  # bytes of decoded records are counted otherwise
         self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=not config.progress,
                         mininterval=0.5, smoothing=0.1)
         self.start, self.last_postfix = time.perf_counter(), 0.0
@@ -337,21 +401,38 @@ class _Progress:
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessReport:
-    """Tokenise config.input into one indexed dataset per key; returns what was written and skipped."""
+    """Tokenise the inputs (or this shard of them) into one indexed dataset per key; returns what was written."""
     start = time.perf_counter()
     tokenizer = build_tokenizer(**config.tokenizer_arguments())
+    if tokenizer.backend_note and config.tokenizer_backend == "auto":
+        print(f"tokenizer backend: tokenizers ({tokenizer.backend_note})", file=sys.stderr)
     encoder = DocumentEncoder(tokenizer, config.json_keys, config.append_eod)
-    report = PreprocessReport([output_prefix_for(config.output_prefix, key) for key in config.json_keys],
-                              tokens={key: 0 for key in config.json_keys})
-    unit = "line" if config.resolved_format() == "jsonl" else "row"
-    progress = _Progress(config)
+    prefix = config.dataset_prefix()
+    report = PreprocessReport([output_prefix_for(prefix, key) for key in config.json_keys],
+                              tokens={key: 0 for key in config.json_keys}, backend=tokenizer.backend,
+                              shard=config.shard)
+    slices = config.slices()
+    if config.shard is not None:
+        sharding.remove_manifest(prefix)  # until the new one is written, this shard counts as incomplete
+    _write_datasets(config, slices, encoder, report)
+    if config.shard is not None:
+        sharding.write_manifest(prefix, _manifest(config, slices, report))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _write_datasets(config: PreprocessConfig, slices: Sequence[InputSlice], encoder: DocumentEncoder,
+                    report: PreprocessReport) -> None:
+    """Stream the slices through the encoder into one builder per key; a builder left by an error is discarded."""
+    where = _LineNumbers(config, slices)
+    progress = _Progress(config, slices)
     try:
         with ExitStack() as stack:
             builders = {key: stack.enter_context(IndexedDatasetBuilder(prefix, encoder.dtype))
                         for key, prefix in zip(config.json_keys, report.outputs, strict=True)}
-            batches = stack.enter_context(closing(encode_stream(config, read_batches(config), encoder)))
+            batches = stack.enter_context(closing(encode_stream(config, read_batches(config, slices), encoder)))
             for batch in batches:  # closing(): an error stops the worker pool now, not when garbage-collected
-                _record_bad_lines(config, batch, report, unit)
+                _record_bad_lines(config, batch, report, where)
                 for key, builder in builders.items():
                     builder.add_documents(batch.tokens[key], batch.sequence_lengths[key],
                                           batch.sequences_per_document[key])
@@ -359,20 +440,37 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 report.documents += batch.num_documents
                 report.input_bytes += batch.input_bytes
                 progress.update(report, batch.input_bytes)
-            if report.documents == 0:
-                raise BadInputError(f"{config.input}: no documents (empty input, or every {unit} was bad); "
-                                    f"nothing was written")
+            if report.documents == 0 and config.shard is None:  # a shard may be empty; the merge checks the total
+                raise BadInputError(f"{', '.join(config.files[:3])}: no documents (empty input, or every line or "
+                                    f"row was bad); nothing was written")
     finally:
         progress.close()
-    report.seconds = time.perf_counter() - start
-    return report
 
 
-def _record_bad_lines(config: PreprocessConfig, batch: EncodedBatch, report: PreprocessReport, unit: str) -> None:
+def _record_bad_lines(config: PreprocessConfig, batch: EncodedBatch, report: PreprocessReport,
+                      where: _LineNumbers) -> None:
     for number, reason in batch.bad:
-        message = f"{config.input}:{number}: {reason}" if unit == "line" else f"{config.input}: row {number}: {reason}"
+        message = f"{where(batch.source, number)}: {reason}"
         if not config.skip_bad_lines:
+            unit = "line" if where.jsonl[batch.source] else "row"
             raise BadInputError(f"{message}; fix it, or pass --skip-bad-lines to skip such {unit}s")
         report.skipped += 1
         if len(report.skipped_examples) < 10:
             report.skipped_examples.append(message)
+
+
+def _manifest(config: PreprocessConfig, slices: Sequence[InputSlice], report: PreprocessReport) -> dict:
+    """What the merge checks: the same inputs and settings in every shard, and the datasets this shard wrote."""
+    index, count = config.shard
+    absolute = [os.path.abspath(path) if path else None
+                for path in (config.vocab_file, config.merge_file, config.tokenizer_model)]
+    return {
+        "shard": index, "num_shards": count,
+        "inputs": [[os.path.abspath(path), sharding.input_size(path)] for path in config.files],
+        "json_keys": list(config.json_keys), "append_eod": config.append_eod, "input_format": config.input_format,
+        "tokenizer": {"type": config.tokenizer_type, "vocab_file": absolute[0], "merge_file": absolute[1],
+                      "tokenizer_model": absolute[2], "parse_special_tokens": config.parse_special_tokens},
+        "slices": [[os.path.abspath(piece.path), piece.start, piece.end] for piece in slices],
+        "documents": report.documents, "skipped": report.skipped, "backend": report.backend,
+        "datasets": [sharding.dataset_record(prefix) for prefix in report.outputs],
+    }

@@ -1,4 +1,5 @@
-"""tools/preprocess_data.py: Megatron's bytes, every key finalized, streaming workers, and every kind of bad input."""
+"""tools/preprocess_data.py: Megatron's bytes on both tokenizer backends, every key finalized, streaming workers, the
+two rules for <|endoftext|> inside a document, and every kind of bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from data.indexed_dataset import IndexedDataset
 from data.preprocess import BadInputError, PreprocessConfig, preprocess
 from tests.test_data_reference import reference_bin_bytes, reference_gpt2_encode, reference_idx_bytes
-from tests.test_data_tokenizers import CORPUS, corpus_texts
+from tests.test_data_tokenizers import BACKENDS, CORPUS, corpus_texts
 
 EOD = 50256
 
@@ -29,43 +30,62 @@ def run(tmp_path, input_path: str, **options) -> tuple[object, str]:
     return preprocess(config), prefix
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("workers", [1, 2])
-def test_corpus_bytes_equal_megatrons_layout_with_append_eod(tmp_path, workers) -> None:
-    report, prefix = run(tmp_path, CORPUS, append_eod=True, workers=workers, batch_size=7)
+def test_corpus_bytes_equal_megatrons_layout_with_append_eod(tmp_path, workers, backend) -> None:
+    report, prefix = run(tmp_path, CORPUS, append_eod=True, workers=workers, batch_size=7, tokenizer_backend=backend)
     documents = [[reference_gpt2_encode(text) + [EOD]] for text in corpus_texts()]
     assert open(f"{prefix}_text_document.idx", "rb").read() == reference_idx_bytes(documents, 8, 2)
     assert open(f"{prefix}_text_document.bin", "rb").read() == reference_bin_bytes(documents, "H")
-    assert (report.documents, report.tokens["text"], report.skipped) == (84, 64832, 0)
+    assert (report.documents, report.tokens["text"], report.skipped, report.backend) == (84, 64832, 0, backend)
 
 
-def test_without_append_eod_no_eod_is_written(tmp_path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_append_eod_no_eod_is_written(tmp_path, backend) -> None:
     path = write_jsonl(tmp_path / "two.jsonl", [{"text": "Hello world"}, {"text": "Hi"}])
-    _, prefix = run(tmp_path, path)
+    _, prefix = run(tmp_path, path, tokenizer_backend=backend)
     dataset = IndexedDataset(f"{prefix}_text_document")
     assert [dataset[i].tolist() for i in range(2)] == [[15496, 995], [17250]]
 
 
-def test_every_json_key_is_finalized(tmp_path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_end_of_text_inside_a_document_is_text_unless_parsed(tmp_path, backend, workers) -> None:
+    path = write_jsonl(tmp_path / "eot.jsonl", [{"text": "Hello <|endoftext|> world"}, {"text": "Hi"}])
+    as_text, prefix = run(tmp_path, path, append_eod=True, tokenizer_backend=backend, workers=workers)
+    dataset = IndexedDataset(f"{prefix}_text_document")
+    assert dataset[0].tolist() == [15496, 1279, 91, 437, 1659, 5239, 91, 29, 995, EOD]  # Megatron-DeepSpeed
+    parsed, prefix = run(tmp_path, path, append_eod=True, tokenizer_backend=backend, workers=workers,
+                         parse_special_tokens=True)
+    dataset = IndexedDataset(f"{prefix}_text_document")
+    assert dataset[0].tolist() == [15496, 220, 50256, 995, EOD]  # Megatron-LM: a boundary inside the document
+    assert dataset[1].tolist() == [17250, EOD] and (as_text.backend, parsed.backend) == (backend, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_json_key_is_finalized(tmp_path, backend) -> None:
     path = write_jsonl(tmp_path / "keys.jsonl", [{"title": "A", "text": "Hello world"}, {"title": "B", "text": "Hi"}])
-    _, prefix = run(tmp_path, path, json_keys=("title", "text"), append_eod=True)
+    _, prefix = run(tmp_path, path, json_keys=("title", "text"), append_eod=True, tokenizer_backend=backend)
     title, text = IndexedDataset(f"{prefix}_title_document"), IndexedDataset(f"{prefix}_text_document")
     assert [title[i].tolist() for i in range(2)] == [[32, EOD], [33, EOD]]
     assert [text[i].tolist() for i in range(2)] == [[15496, 995, EOD], [17250, EOD]]
 
 
-def test_a_list_of_sentences_makes_one_sequence_each_with_eod_on_the_last(tmp_path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_list_of_sentences_makes_one_sequence_each_with_eod_on_the_last(tmp_path, backend) -> None:
     path = write_jsonl(tmp_path / "sentences.jsonl", [{"text": ["Hello world", "", "Hi"]}, {"text": "Hello"}])
-    _, prefix = run(tmp_path, path, append_eod=True)
+    _, prefix = run(tmp_path, path, append_eod=True, tokenizer_backend=backend)
     documents = [[[15496, 995], [17250, EOD]], [[15496, EOD]]]  # the empty sentence is dropped, as in Megatron
     assert open(f"{prefix}_text_document.idx", "rb").read() == reference_idx_bytes(documents, 8, 2)
 
 
-def test_workers_and_batch_sizes_give_identical_bytes(tmp_path) -> None:
+def test_workers_batch_sizes_and_backends_give_identical_bytes(tmp_path) -> None:
     outputs = []
-    for workers, batch_size in [(1, 64), (2, 1), (2, 13)]:
+    for workers, batch_size, backend in [(1, 64, "tiktoken"), (2, 1, "tiktoken"), (2, 13, "tokenizers")]:
         directory = tmp_path / f"w{workers}b{batch_size}"
         directory.mkdir()
-        _, prefix = run(directory, CORPUS, workers=workers, batch_size=batch_size, append_eod=True)
+        _, prefix = run(directory, CORPUS, workers=workers, batch_size=batch_size, append_eod=True,
+                        tokenizer_backend=backend)
         outputs.append(open(f"{prefix}_text_document.bin", "rb").read() + open(f"{prefix}_text_document.idx", "rb").read())
     assert outputs[0] == outputs[1] == outputs[2]
 
@@ -82,11 +102,11 @@ BAD_LINES = [
 
 
 @pytest.mark.parametrize(("line", "message"), BAD_LINES)
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_bad_line_is_an_error_naming_file_and_line(tmp_path, line, message, workers) -> None:
+@pytest.mark.parametrize(("workers", "backend"), [(1, "tiktoken"), (2, "tiktoken"), (1, "tokenizers")])
+def test_a_bad_line_is_an_error_naming_file_and_line(tmp_path, line, message, workers, backend) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "Hello"}, line, {"text": "world"}])
     with pytest.raises(BadInputError, match=message + r".*--skip-bad-lines"):
-        run(tmp_path, path, workers=workers)
+        run(tmp_path, path, workers=workers, tokenizer_backend=backend)
     assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]  # nothing left behind
 
 
@@ -164,6 +184,8 @@ def test_config_errors_name_the_field(tmp_path) -> None:
         PreprocessConfig(input=CORPUS, output_prefix="x", json_keys=("text", "text"))
     with pytest.raises(FileNotFoundError, match="nowhere.jsonl does not exist"):
         PreprocessConfig(input=str(tmp_path / "nowhere.jsonl"), output_prefix="x")
+    with pytest.raises(ValueError, match="tokenizer_backend 'fast'"):
+        PreprocessConfig(input=CORPUS, output_prefix="x", tokenizer_backend="fast")
 
 
 def test_tool_main_with_megatron_flags(tmp_path, capsys) -> None:
@@ -175,6 +197,9 @@ def test_tool_main_with_megatron_flags(tmp_path, capsys) -> None:
     assert code == 0
     assert "84 documents, 64832 tokens" in capsys.readouterr().out
     assert IndexedDataset(f"{prefix}_text_document").num_tokens == 64832
+    assert main(["--input", CORPUS, "--output-prefix", f"{prefix}_hf", "--tokenizer-backend", "tokenizers",
+                 "--no-progress"]) == 0
+    assert "MB/s" in (out := capsys.readouterr().out) and "tokens/s) with tokenizers" in out
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{"])
     assert main(["--input", bad, "--output-prefix", prefix, "--no-progress"]) == 1
     assert "bad.jsonl:1: malformed JSON" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The command-line tools: merge and inspect (preprocess and train_tokenizer are tested with their libraries)."""
+"""The command-line tools: merge (datasets and shards) and inspect (preprocess and train_tokenizer are tested with
+their libraries)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def test_merge_tool_from_a_directory_in_name_order(tmp_path, capsys) -> None:
     assert main(["--input", str(tmp_path / "shards" / "a"), str(tmp_path / "nope"),
                  "--output-prefix", str(tmp_path / "x")]) == 1
     assert "nope.idx does not exist" in capsys.readouterr().err
+
+
+def test_merge_tool_shards_mode_refuses_what_is_not_one_run(tmp_path, capsys) -> None:
+    from data.preprocess import PreprocessConfig, preprocess
+    from tools.merge_datasets import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "Hello world"}\n{"text": "Hi"}\n{"text": "Hello"}\n')
+    prefix = str(tmp_path / "out")
+    assert main(["--shards", prefix]) == 1
+    assert "no shard manifests" in capsys.readouterr().err
+    preprocess(PreprocessConfig(input=str(corpus), output_prefix=prefix, shard=(1, 2), progress=False))
+    assert main(["--shards", prefix]) == 1
+    assert "1 of 2 shards are missing or incomplete (no manifest: out-shard00000of00002" in capsys.readouterr().err
+    preprocess(PreprocessConfig(input=str(corpus), output_prefix=prefix, shard=(0, 2), progress=False))
+    assert main(["--shards", prefix]) == 0
+    assert "3 documents, 3 sequences, 4 tokens (uint16)" in capsys.readouterr().out
+    assert [IndexedDataset(f"{prefix}_text_document")[i].tolist() for i in range(3)] == [[15496, 995], [17250], [15496]]
+    assert main(["--input", prefix + "_text_document"]) == 1
+    assert "--input needs --output-prefix" in capsys.readouterr().err
 
 
 def test_inspect_tool_counts_histogram_and_decodes(tmp_path, capsys) -> None:
