@@ -14,6 +14,12 @@ from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATIONS = ("gelu", "gelu_tanh")
+POSITION_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+BIASES = ("all", "none", "qkv")
+ROPE_SCALING_TYPES = ("llama3",)
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_VOCAB_SIZE = 50257
 
 
@@ -24,7 +30,9 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a GPT decoder (pre-LayerNorm, learned positions, GeLU MLP, tied embeddings)."""
+    """Shape and numerics of a decoder: GPT-2 by default (pre-LayerNorm, learned positions, GeLU MLP, tied
+    embeddings, biases everywhere); the Llama family (RoPE, RMSNorm, SwiGLU, grouped KV heads, untied head, no or
+    QKV-only biases) by the fields from ``position_embedding`` on, each of which selects one piece of the block."""
 
     num_layers: int
     """Transformer blocks. Must divide evenly over the pipeline stages."""
@@ -35,7 +43,8 @@ class ModelConfig:
     seq_length: int
     """Tokens per training sample (each sample holds seq_length + 1 tokens: inputs and shifted labels)."""
     max_position_embeddings: int | None = None
-    """Rows of the learned position table; defaults to seq_length. Must be >= seq_length."""
+    """Rows of the learned position table (with RoPE: no parameters, only the longest sequence allowed); defaults
+    to seq_length. Must be >= seq_length."""
     vocab_size: int = GPT2_VOCAB_SIZE
     """Tokenizer vocabulary (unpadded). The embedding is padded, see padded_vocab_size()."""
     make_vocab_size_divisible_by: int = 128
@@ -47,7 +56,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
     layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon."""
+    """Epsilon of every norm of the model, LayerNorm or RMSNorm (``norm``): Llama's rms_norm_eps goes here."""
     init_method_std: float | None = None
     """Std of the N(0, std^2) weight init; defaults to sqrt(1 / (3 h)), the MT-NLG rule (0.00403 at h = 20480)."""
     scale_output_layer_init: bool = True
@@ -58,6 +67,27 @@ class ModelConfig:
     """Recompute each transformer block in the backward pass instead of storing its activations."""
     precision: str = "fp32"
     """Training precision: "fp32", "bf16" or "fp16". Must agree with the DeepSpeed bf16/fp16 sections."""
+    position_embedding: str = "learned"
+    """"learned" (GPT-2's absolute table, max_position_embeddings rows) or "rope" (rotary, applied to q and k in
+    attention; no parameters)."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength (Llama 2: 1e4, Llama 3: 5e5, Qwen2.5: 1e6). Only with position_embedding "rope"."""
+    rope_scaling: dict[str, Any] | None = None
+    """None, or Hugging Face's rope_scaling dict of type "llama3" (Llama 3.1+): {"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}. Other types are refused."""
+    norm: str = "layernorm"
+    """"layernorm" (weight and bias) or "rmsnorm" (weight only); epsilon: layernorm_epsilon."""
+    mlp: str = "gelu"
+    """"gelu" (h -> ffn -> activation -> h) or "swiglu" (down(silu(gate(x)) * up(x)), ffn_hidden_size wide; the
+    activation field is then unused)."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); defaults to num_attention_heads (multi-head), 1 is multi-query.
+    Must divide num_attention_heads, and be divisible by the tensor-parallel size."""
+    tie_word_embeddings: bool = True
+    """The output head shares the input embedding (GPT-2); False gives the last stage its own head (Llama)."""
+    bias: str = "all"
+    """Which linear layers have a bias: "all" (GPT-2), "none" (Llama, Mistral) or "qkv" (Qwen2: the QKV projection
+    only). Norms are not linear layers: LayerNorm always has its bias, RMSNorm never."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -84,10 +114,75 @@ class ModelConfig:
         _require(self.init_method_std > 0, f"model.init_method_std must be positive, got {self.init_method_std}")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         _require(self.precision in PRECISIONS, f"model.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        """The fields that choose the pieces of the block (Llama-family options)."""
+        for name, choices in (("position_embedding", POSITION_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS),
+                              ("bias", BIASES)):
+            value = getattr(self, name)
+            _require(value in choices, f"model.{name} must be one of {choices}, got {value!r}")
+        _require(isinstance(self.tie_word_embeddings, bool),
+                 f"model.tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        kv = self.num_key_value_heads
+        _require(isinstance(kv, int) and not isinstance(kv, bool) and kv > 0,
+                 f"model.num_key_value_heads must be a positive integer (or null for num_attention_heads), got {kv!r}")
+        _require(self.num_attention_heads % kv == 0,
+                 f"model.num_key_value_heads ({kv}) does not divide model.num_attention_heads "
+                 f"({self.num_attention_heads}): choose key/value heads that divide the query heads")
+        _require(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
+        if self.position_embedding == "rope":
+            _require(self.head_dim % 2 == 0,
+                     f"model.position_embedding \"rope\" needs an even head dimension, got hidden_size / "
+                     f"num_attention_heads = {self.head_dim}: choose another head count")
+        if self.rope_scaling is not None:
+            _require(self.position_embedding == "rope",
+                     f"model.rope_scaling is set but model.position_embedding is {self.position_embedding!r}: "
+                     f"set position_embedding to \"rope\" or rope_scaling to null")
+            self._check_rope_scaling(self.rope_scaling)
+
+    @staticmethod
+    def _check_rope_scaling(scaling: Any) -> None:
+        _require(isinstance(scaling, dict), f"model.rope_scaling must be an object or null, got {scaling!r}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        _require(kind in ROPE_SCALING_TYPES,
+                 f"model.rope_scaling type {kind!r} is not supported: only {ROPE_SCALING_TYPES} (give "
+                 f"\"rope_type\": \"llama3\" with {list(LLAMA3_SCALING_KEYS)}), or null for plain RoPE")
+        missing = [key for key in LLAMA3_SCALING_KEYS if key not in scaling]
+        _require(not missing, f"model.rope_scaling of type \"llama3\" lacks {missing}: give all of "
+                              f"{list(LLAMA3_SCALING_KEYS)}")
+        for key in LLAMA3_SCALING_KEYS:
+            value = scaling[key]
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                     f"model.rope_scaling.{key} must be a positive number, got {value!r}")
+        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
+                 f"model.rope_scaling.high_freq_factor ({scaling['high_freq_factor']}) must be greater than "
+                 f"low_freq_factor ({scaling['low_freq_factor']}): the llama3 rule interpolates between them")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def queries_per_key_value_head(self) -> int:
+        """Query heads that share one key/value head (1: multi-head attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused QKV projection: (query heads + 2 key/value heads) x head_dim (3h for multi-head)."""
+        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+
+    @property
+    def qkv_has_bias(self) -> bool:
+        return self.bias in ("all", "qkv")
+
+    @property
+    def other_linears_have_bias(self) -> bool:
+        """Attention output and MLP projections."""
+        return self.bias == "all"
 
     @property
     def output_layer_init_std(self) -> float:
@@ -110,6 +205,10 @@ class ModelConfig:
         _require(self.num_attention_heads % tp == 0,
                  f"model.num_attention_heads ({self.num_attention_heads}) is not divisible by "
                  f"parallelism.tensor_parallel_size ({tp}): use a tensor-parallel size that divides the heads")
+        _require(self.num_key_value_heads % tp == 0,
+                 f"model.num_key_value_heads ({self.num_key_value_heads}) is not divisible by "
+                 f"parallelism.tensor_parallel_size ({tp}): each TP rank holds whole key/value groups, so use a "
+                 f"tensor-parallel size that divides the key/value heads")
         _require(self.ffn_hidden_size % tp == 0,
                  f"model.ffn_hidden_size ({self.ffn_hidden_size}) is not divisible by "
                  f"parallelism.tensor_parallel_size ({tp})")
@@ -156,6 +255,10 @@ def _gpt2_model(**kwargs: Any) -> ModelConfig:
     return ModelConfig(**{"vocab_size": GPT2_VOCAB_SIZE, **kwargs})
 
 
+# What every Llama-family preset shares: RoPE, RMSNorm (eps 1e-5), SwiGLU, an untied head, no biases, bf16.
+_LLAMA: dict[str, Any] = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie_word_embeddings=False,
+                              bias="none", layernorm_epsilon=1e-5, precision="bf16")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Megatron-Turing NLG 530B (Smith et al. 2022): 105 layers, h 20480, 128 heads, seq 2048.
     "530b": dict(num_layers=105, hidden_size=20480, num_attention_heads=128, seq_length=2048,
@@ -165,6 +268,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, precision="bf16"),
     # For CPU tests and demos: the real GPT-2 vocabulary, a tiny trunk.
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, precision="fp32"),
+    # The Llama family, from the published Hugging Face config.json files (written from memory; the parameter count
+    # of each equals transformers' model built from the same numbers: tests/test_llama_presets.py).
+    # Llama-2-7B: 32 layers, h 4096, 32 heads (multi-head), ffn 11008, vocab 32000, theta 1e4, rms eps 1e-5.
+    "llama2-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096, rope_theta=10000.0),
+    # Meta-Llama-3-8B: 32 layers, h 4096, 32 heads, 8 KV heads, ffn 14336, vocab 128256, theta 5e5, rms eps 1e-5.
+    "llama3-8b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_theta=500000.0),
+    # Meta-Llama-3-70B: 80 layers, h 8192, 64 heads, 8 KV heads, ffn 28672, vocab 128256, theta 5e5, rms eps 1e-5.
+    "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                       activation_checkpointing=True),
+    # Mistral-7B-v0.1: 32 layers, h 4096, 32 heads, 8 KV heads, ffn 14336, vocab 32000, theta 1e4, rms eps 1e-5,
+    # max positions 32768. Its 4096-token sliding window is not implemented: at seq_length <= 4096 it changes nothing.
+    "mistral-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                       ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
+                       rope_theta=10000.0),
+    # Qwen2.5-7B: 28 layers, h 3584, 28 heads, 4 KV heads, ffn 18944, vocab 152064, theta 1e6, rms eps 1e-6, biases on
+    # q, k and v only, untied, max positions 131072 (from memory; it changes no parameter).
+    "qwen2.5-7b": dict(_LLAMA, num_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                       ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, max_position_embeddings=131072,
+                       rope_theta=1000000.0, layernorm_epsilon=1e-6, bias="qkv"),
+    # A Llama shape for CPU tests and demos: GPT-2 vocabulary, 4 query heads per KV group, untied head.
+    "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                       ffn_hidden_size=256, seq_length=64, precision="fp32"),
 }
 
 

@@ -1,15 +1,23 @@
-"""The GPT, as a list of pipeline layers.
+"""The GPT, as a list of pipeline layers (GPT-2 by default, the Llama family by the config's architecture fields).
 
 What flows between layers (and between pipeline stages) is documented here, once:
 
     batch for the first stage   (tokens (b, s) int64, position_ids (b, s) int64)
     batch for the last stage    (labels (b, s) int64, loss_mask (b, s) float)
-    word embedding (tied)       -> (word_embeddings (b, s, h), position_ids (b, s))
-    PositionEmbedding           -> hidden (b, s, h)
+    word embedding (tied or not) -> (word_embeddings (b, s, h), position_ids (b, s))
+    PositionEmbedding ("learned") -> hidden (b, s, h): adds the position table, then dropout
+      or EmbeddingDropout ("rope") -> hidden (b, s, h): dropout only; position_ids end here
     TransformerLayer x L        -> hidden (b, s, h)        <- the only tensor sent between stages
-    FinalLayerNorm              -> hidden (b, s, h)
-    output head (tied)          -> logits (b, s, V/R)       this rank's vocabulary slice
+    FinalLayerNorm / FinalRMSNorm -> hidden (b, s, h)
+    output head                 -> logits (b, s, V/R)       this rank's vocabulary slice (tied: the word embedding's
+                                                             weight; untied: OutputHead, its own weight)
     loss_fn(logits, (labels, loss_mask)) -> scalar: masked mean over the micro-batch's tokens
+
+RoPE rotates q and k inside each block's attention at positions 0 .. s-1 of the sample, which is what position_ids
+always holds (data/loader.py): so the tuple between stages stays the hidden tensor alone, for every architecture.
+
+The pieces that differ between architectures are chosen from the config by the tables below (POSITION_LAYERS,
+NORMS, FINAL_NORMS, MLPS); the skeleton (embedding -> blocks -> norm -> head) is one.
 
 Every layer is built from (ModelConfig, ParallelContext, seed, layer_number) and initialises itself (model/init.py),
 so a stage holds exactly its part of the unsplit model.
@@ -31,7 +39,14 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.init import normal_sharded_, parameter_seed
-from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from model.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
@@ -60,6 +75,19 @@ def output_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tenso
     return embedding.logits(hidden)  # (b, s, V/R)
 
 
+class OutputHead(VocabParallelEmbedding):
+    """The untied output head (tie_word_embeddings False): its own [V/R, h] vocab-parallel weight on the last stage,
+    the same layout, init std and -inf padded rows as the tied head. Its forward is the logits."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__(config.padded_vocab_size(ctx.tensor_parallel_size), config.hidden_size, ctx,
+                         vocab_size=config.vocab_size, init_std=config.init_method_std,
+                         seed=parameter_seed(seed, EMBEDDING_LAYER, "output_head"))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)  # (b, s, h) replicated -> (b, s, V/R)
+
+
 class PositionEmbedding(nn.Module):
     """Adds the learned absolute position embedding (replicated on every TP rank), then dropout."""
 
@@ -74,35 +102,70 @@ class PositionEmbedding(nn.Module):
         return self.dropout(word_embeddings + F.embedding(position_ids, self.weight))  # (b, s, h)
 
 
+class EmbeddingDropout(nn.Module):
+    """The position layer of a RoPE model: the embedding dropout alone (positions act in attention)."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        word_embeddings, _ = inputs  # (b, s, h), (b, s): RoPE uses positions 0 .. s-1 (the module docstring)
+        return self.dropout(word_embeddings)  # (b, s, h)
+
+
+POSITION_LAYERS = {"learned": PositionEmbedding, "rope": EmbeddingDropout}
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention over this rank's heads: fused QKV column-parallel, output row-parallel.
 
-    The QKV output rows are laid out per head, [heads, 3, head_dim], so a contiguous slice of rows is a set of
-    whole heads with their q, k and v.
+    With g key/value heads (groups) of q = heads / g query heads each, the QKV output rows are laid out per group,
+    [g, q + 2, head_dim]: the group's q query heads, then its key head, then its value head. Query head j belongs to
+    group j // q (transformers' repeat_kv order). A contiguous slice of rows is therefore a set of whole groups with
+    all their heads, so TP rank r holds groups [r g/R, (r+1) g/R) and attends alone; the full weight is the plain
+    concatenation of the shards on dim 0. Multi-head attention (q = 1) is GPT-2's [heads, 3, head_dim].
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
                  rng: RNGStream) -> None:
         super().__init__()
         h = config.hidden_size
-        self.heads = config.num_attention_heads // ctx.tensor_parallel_size
+        self.groups = config.num_key_value_heads // ctx.tensor_parallel_size
+        self.queries_per_group = config.queries_per_key_value_head
+        self.heads = self.groups * self.queries_per_group
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
         self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
-        self.qkv = ColumnParallelLinear(h, 3 * h, ctx, init_std=config.init_method_std,
-                                        seed=parameter_seed(seed, layer_number, "attention.qkv"))
-        self.dense = RowParallelLinear(h, h, ctx, init_std=config.output_layer_init_std,
-                                       seed=parameter_seed(seed, layer_number, "attention.dense"))
+        self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
+                                        seed=parameter_seed(seed, layer_number, "attention.qkv"),
+                                        bias=config.qkv_has_bias)
+        self.dense = RowParallelLinear(config.num_attention_heads * self.head_dim, h, ctx,
+                                       init_std=config.output_layer_init_std,
+                                       seed=parameter_seed(seed, layer_number, "attention.dense"),
+                                       bias=config.other_linears_have_bias)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
+                       if config.position_embedding == "rope" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim)  # (b, s, nh/R, 3, d)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (b, nh/R, s, d)
+        per_group = self.queries_per_group
+        qkv = self.qkv(x).view(b, s, self.groups, per_group + 2, self.head_dim)  # (b, s, g/R, q + 2, d)
+        qkv = qkv.permute(0, 2, 3, 1, 4)  # (b, g/R, q + 2, s, d)
+        q = qkv[:, :, :per_group].flatten(1, 2)  # (b, nh/R, s, d), query head j in group j // q
+        k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]  # each (b, g/R, s, d)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
         dropout = self.dropout if self.training else 0.0
         with self.rng.fork(enabled=dropout > 0):
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (b, nh/R, s, d)
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                     enable_gqa=per_group > 1)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/R)
         return self.dense(context)  # (b, s, h)
+
+    def extra_repr(self) -> str:
+        return (f"{self.groups} key/value groups of {self.queries_per_group} query heads on this rank, "
+                f"head_dim {self.head_dim}")
 
 
 class MLP(nn.Module):
@@ -110,9 +173,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ctx,
+        bias = config.other_linears_have_bias
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ctx, bias=bias,
                                         init_std=config.init_method_std, seed=parameter_seed(seed, layer_number, "mlp.fc1"))
-        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ctx,
+        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ctx, bias=bias,
                                      init_std=config.output_layer_init_std,
                                      seed=parameter_seed(seed, layer_number, "mlp.fc2"))
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
@@ -121,8 +185,45 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))  # (b, s, ffn/R) inside
 
 
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): h -> 2 x ffn (one column-parallel matrix) -> ffn -> h (row-parallel).
+
+    ``gate_up.weight`` is [gate; up], each [ffn, h]; TP rank r holds [gate rows r; up rows r] ([2 ffn/R, h]), so its
+    own gate and up features meet without communication. Merging shards: split each in 2 halves, concatenate the
+    first halves, then the second (DeepSpeed's PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0).
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int) -> None:
+        super().__init__()
+        bias = config.other_linears_have_bias
+        self.gate_up = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ctx, bias=bias, sub_matrices=2,
+                                            init_std=config.init_method_std,
+                                            seed=parameter_seed(seed, layer_number, "mlp.gate_up"))
+        self.down = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ctx, bias=bias,
+                                      init_std=config.output_layer_init_std,
+                                      seed=parameter_seed(seed, layer_number, "mlp.down"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (b, s, ffn/R)
+        return self.down(F.silu(gate) * up)  # (b, s, h)
+
+
+MLPS = {"gelu": MLP, "swiglu": SwiGLUMLP}
+
+
+def _layer_norm(config: ModelConfig) -> nn.Module:
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def _rms_norm(config: ModelConfig) -> nn.Module:
+    return RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+NORMS = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}  # the blocks' two norms (replicated on every TP rank)
+
+
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))).
+    """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm.
 
     ``rng`` is the model's tensor-parallel stream, shared by all its layers; a layer built alone gets its own.
     """
@@ -131,11 +232,11 @@ class TransformerLayer(nn.Module):
                  rng: RNGStream | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.ln1 = NORMS[config.norm](config)
         self.attention = SelfAttention(config, ctx, seed, layer_number,
                                        rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
-        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.mlp = MLP(config, ctx, seed, layer_number)
+        self.ln2 = NORMS[config.norm](config)
+        self.mlp = MLPS[config.mlp](config, ctx, seed, layer_number)
         self.dropout = nn.Dropout(config.hidden_dropout)  # on replicated (b, s, h): the default stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,6 +249,14 @@ class FinalLayerNorm(nn.LayerNorm):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
 
 
+class FinalRMSNorm(RMSNorm):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
+
+
 def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> list:
     """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled).
 
@@ -155,43 +264,62 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
-    embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed, tied_weight_attr="weight")
+    if config.tie_word_embeddings:
+        embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed,
+                            tied_weight_attr="weight")
+        first, head = embedding(), embedding(forward_fn=output_logits)  # the first is a module: saved as layer_00
+    else:
+        first, head = LayerSpec(WordEmbedding, config, ctx, seed), LayerSpec(OutputHead, config, ctx, seed)
     return [
-        embedding(),  # a module: saved as layer_00
-        LayerSpec(PositionEmbedding, config, ctx, seed),
+        first,
+        LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed),
         *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng) for n in range(1, config.num_layers + 1)],
-        LayerSpec(FinalLayerNorm, config, ctx, seed),
-        embedding(forward_fn=output_logits),
+        LayerSpec(FINAL_NORMS[config.norm], config, ctx, seed),
+        head,
     ]
 
 
 def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     """How DeepSpeed's universal-checkpoint converter merges this model's TP slices, by parameter name.
 
-    Names are DeepSpeed's: the layer index in gpt_layer_specs, then the module path (0 and L + 3: the tied word
-    embedding, ``tied_modules.word_embeddings.weight``; 1: positions; 2 .. L + 1: blocks; L + 2: the final norm).
-    Everything not listed is column-parallel and concatenated on dim 0: QKV (rows grouped per head, so TP slices
-    hold whole heads), its bias, fc1 and its bias. The vocabulary padding is cut off and re-added for the new TP.
+    Names are DeepSpeed's: the layer index in gpt_layer_specs, then the module path (0: the word embedding, tied:
+    ``tied_modules.word_embeddings.weight`` (also L + 3's), untied: ``0.weight``; 1: positions (no parameter with
+    RoPE); 2 .. L + 1: blocks; L + 2: the final norm; L + 3: the untied head, ``{L+3}.weight``). Only patterns that
+    match a parameter of this config are listed (the converter's strict mode asserts that each matches).
+    Everything not listed is column-parallel and concatenated on dim 0: QKV, whose rows are grouped per key/value
+    group ([q heads of the group, k, v]; per head for multi-head attention), so a TP slice holds whole groups and the
+    concatenation of the slices is the full weight, GQA included; its bias; fc1 and its bias. SwiGLU's gate_up
+    stacks the rank's gate and up rows, so it is merged as two sub-parameters. The vocabulary padding is cut off and
+    re-added for the new TP.
     """
     from deepspeed.checkpoint import constants as uc
 
     block = r"\d+\."
-    word_embedding = r"tied_modules\.word_embeddings\.weight$"
-    return {
+    last = config.num_layers + 3
+    vocabulary = ([r"tied_modules\.word_embeddings\.weight$"] if config.tie_word_embeddings
+                  else [r"0\.weight$", rf"{last}\.weight$"])
+    norm_parameters = r"(weight|bias)" if config.norm == "layernorm" else r"weight"
+    mlp_in, mlp_out = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
+    replicated = [
+        *([r"1\.weight$"] if config.position_embedding == "learned" else []),  # positions
+        block + rf"ln[12]\.{norm_parameters}$",
+        # row-parallel biases are added once, after the all-reduce
+        *([block + r"attention\.dense\.bias$", block + rf"mlp\.{mlp_out}\.bias$"]
+          if config.other_linears_have_bias else []),
+        rf"{config.num_layers + 2}\.{norm_parameters}$",  # the final norm
+    ]
+    info = {
         uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        uc.VOCABULARY_PARAMETER_PATTERNS: [word_embedding],
+        uc.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
         uc.ORIGINAL_VOCAB_SIZE: config.vocab_size,
-        uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [word_embedding],
-        uc.TP_REPLICATED_PARAMETER_PATTERNS: [
-            r"1\.weight$",  # positions
-            block + r"ln[12]\.(weight|bias)$",
-            block + r"attention\.dense\.bias$",  # row-parallel biases are added once, after the all-reduce
-            block + r"mlp\.fc2\.bias$",
-            rf"{config.num_layers + 2}\.(weight|bias)$",  # the final norm
-        ],
+        uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS: vocabulary if config.tie_word_embeddings else [],
+        uc.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
         uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [block + r"attention\.dense\.weight$",
-                                                     block + r"mlp\.fc2\.weight$"],
+                                                     block + rf"mlp\.{mlp_out}\.weight$"],
     }
+    if config.mlp == "swiglu":
+        info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [block + rf"mlp\.{mlp_in}\.(weight|bias)$"]
+    return info
 
 
 def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -236,16 +364,20 @@ class GPT(nn.Module):
         self.ctx = ctx or ParallelContext()
         self.tensor_parallel_rng = RNGStream(tensor_parallel_stream_seed(seed, self.ctx))
         self.word_embeddings = WordEmbedding(config, self.ctx, seed)
-        self.position_embedding = PositionEmbedding(config, self.ctx, seed)
+        self.position_embedding = POSITION_LAYERS[config.position_embedding](config, self.ctx, seed)
         self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng)
                                     for n in range(1, config.num_layers + 1))
-        self.final_norm = FinalLayerNorm(config, self.ctx, seed)
+        self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)
+        self.output_head = None if config.tie_word_embeddings else OutputHead(config, self.ctx, seed)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.position_embedding(self.word_embeddings((tokens, position_ids)))
         for layer in self.layers:
             hidden = layer(hidden)
-        return output_logits(self.word_embeddings, self.final_norm(hidden))  # (b, s, V/R)
+        hidden = self.final_norm(hidden)
+        if self.output_head is None:
+            return output_logits(self.word_embeddings, hidden)  # (b, s, V/R)
+        return self.output_head(hidden)  # (b, s, V/R)
 
     def loss(self, tokens, position_ids, labels, loss_mask) -> torch.Tensor:
         return gpt_loss(self.ctx, self(tokens, position_ids), (labels, loss_mask))

@@ -99,8 +99,20 @@ def _block_tensors(block: int) -> tuple[TensorMap, ...]:
     )
 
 
+def _require_gpt2_shape(config: ModelConfig) -> None:
+    """The map below is GPT2LMHeadModel's; the Llama-family options of ModelConfig have no map to HF yet."""
+    gpt2 = ModelConfig(num_layers=1, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                       seq_length=1)
+    different = [name for name in ("position_embedding", "norm", "mlp", "num_key_value_heads", "tie_word_embeddings",
+                                   "bias") if getattr(config, name) != getattr(gpt2, name)]
+    if different:
+        raise ValueError(f"only the GPT-2 shape converts to and from Hugging Face so far; this model differs in "
+                         f"{', '.join(f'model.{name} = {getattr(config, name)!r}' for name in different)}")
+
+
 def layer_maps(config: ModelConfig) -> list[LayerMap]:
     """Every saved layer, in pipeline order (the tied output head, layer L+3, is the embedding: not saved again)."""
+    _require_gpt2_shape(config)
     embedding = TensorMap("weight", "transformer.wte.weight", ("padded_vocab", "h"), 0, layout="vocab")
     positions = TensorMap("weight", "transformer.wpe.weight", ("positions", "h"))
     final = (TensorMap("weight", "transformer.ln_f.weight", ("h",)), TensorMap("bias", "transformer.ln_f.bias", ("h",)))

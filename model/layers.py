@@ -5,7 +5,10 @@ With R = tensor-parallel size and r this rank:
     layer                    weight shard        bias shard      input               output
     VocabParallelEmbedding   [V/R, h]  rows      -               ids (b, s)          (b, s, h) replicated
     ColumnParallelLinear     [N/R, K]  rows      [N/R]           (b, s, K) replic.   (b, s, N/R) sharded
+      with n sub-matrices    [n N/R, K] rows r of each of the n [N, K] blocks, stacked (SwiGLU's gate and up: n = 2)
     RowParallelLinear        [N, K/R]  columns   [N] replicated  (b, s, K/R) sharded (b, s, N) replicated
+    RMSNorm                  [h]       replicated                (b, s, h) replic.   (b, s, h) replicated
+    rotary (RoPE)            no parameters; applied to this rank's own q and k heads, nothing to shard
     vocab_parallel_cross_entropy                                 logits (b, s, V/R)  loss (b, s) replicated
 
 Every sharded parameter carries ``tensor_model_parallel = True`` (with Megatron's partition_dim/stride): DeepSpeed's
@@ -14,6 +17,8 @@ attribute the clipped norm is silently wrong.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +33,11 @@ from model.primitives import (
 )
 
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, partition_stride: int = 1) -> None:
+    """partition_stride (Megatron's name): how many sub-matrices each shard stacks, one slice of each."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
-    param.partition_stride = 1
+    param.partition_stride = partition_stride
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -86,29 +92,38 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A [N, K] split by output rows: rank r computes output features [r N/R, (r+1) N/R)."""
+    """y = x A^T + b with A [N, K] split by output rows: rank r computes output features [r N/R, (r+1) N/R).
+
+    With ``sub_matrices`` n > 1, A is n matrices [N, K] stacked ([n N, K], e.g. SwiGLU's [gate; up]) and each is
+    split on its own: rank r holds [A_1 rows r; ...; A_n rows r], shape [n N/R, K], so that its output features are
+    n slices it can use together (silu(gate) * up). ``out_features`` is N, the width of one sub-matrix. The
+    unsharded layer (R = 1) holds A itself, and init draws each of its n N rows from that row's own generator.
+    """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, init_std: float, seed: int,
-                 bias: bool = True) -> None:
+                 bias: bool = True, sub_matrices: int = 1) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.sub_matrices = in_features, out_features, sub_matrices
         self.group = ctx.tensor_parallel_group
         rows = _divide(out_features, ctx.tensor_parallel_size, "output features")
         self.row_start = ctx.tensor_parallel_rank * rows
-        self.weight = nn.Parameter(torch.empty(rows, in_features))
-        mark_tensor_parallel(self.weight, partition_dim=0)
-        normal_sharded_(self.weight, init_std, seed, shard_dim=0, shard_offset=self.row_start)
-        self.bias = nn.Parameter(torch.zeros(rows)) if bias else None
+        self.weight = nn.Parameter(torch.empty(sub_matrices * rows, in_features))
+        mark_tensor_parallel(self.weight, partition_dim=0, partition_stride=sub_matrices)
+        for index, block in enumerate(self.weight.data.split(rows)):  # [rows, K] views, rows r of sub-matrix index
+            normal_sharded_(block, init_std, seed, shard_dim=0, shard_offset=index * out_features + self.row_start)
+        self.bias = nn.Parameter(torch.zeros(sub_matrices * rows)) if bias else None
         if self.bias is not None:
-            mark_tensor_parallel(self.bias, partition_dim=0)
+            mark_tensor_parallel(self.bias, partition_dim=0, partition_stride=sub_matrices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_parallel_region(x, self.group)  # (b, s, K) replicated; grads summed over TP
         return F.linear(x, self.weight, self.bias)  # (b, s, N/R)
 
     def extra_repr(self) -> str:
-        return (f"in {self.in_features}, out rows [{self.row_start}, {self.row_start + self.weight.shape[0]}) "
-                f"of {self.out_features}, bias={self.bias is not None}")
+        rows = self.weight.shape[0] // self.sub_matrices
+        stacked = f" in each of {self.sub_matrices} stacked matrices" if self.sub_matrices > 1 else ""
+        return (f"in {self.in_features}, out rows [{self.row_start}, {self.row_start + rows}) of {self.out_features}"
+                f"{stacked}, bias={self.bias is not None}")
 
 
 class RowParallelLinear(nn.Module):
@@ -137,6 +152,87 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in columns [{self.column_start}, {self.column_start + self.weight.shape[1]}) of {self.in_features}, "
                 f"out {self.out_features}, bias={self.bias is not None} (added once, after the reduce)")
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, replicated on every TP rank (as LayerNorm).
+
+    Computed in fp32 and cast back before the weight, as transformers' LlamaRMSNorm does (so bf16 results match it).
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (b, s, h) fp32
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps} (replicated)"
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The head_dim / 2 rotation frequencies (fp32, CPU), llama3-scaled when ``scaling`` says so.
+
+    The same operations as transformers' _compute_default_rope_parameters and _compute_llama3_parameters
+    (modeling_rope_utils.py), so the values are bitwise theirs: long wavelengths (> original context / low_freq_factor)
+    are divided by ``factor``, short ones (< original context / high_freq_factor) kept, and those between
+    interpolated smoothly.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (s, d) of positions 0 .. s-1, in fp32 then cast to ``dtype`` (transformers' order of operations).
+
+    Frequencies are laid out [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}]: Hugging Face Llama's non-interleaved convention,
+    whose partner of dimension i is i + d/2 (rotate_half), so Llama weights need no row permutation."""
+    positions = torch.arange(seq_length, device=device, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq.to(device)[None, :]  # (s, d/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (s, d)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of x (b, heads, s, d) by its position: x cos + rotate_half(x) sin, as transformers does."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
+    return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on this rank's q and k heads (b, heads, s, d) at positions 0 .. s-1; no parameters, nothing sharded.
+
+    The frequencies are a plain fp32 tensor, not a buffer: a bf16 cast of the model (DeepSpeed's) must not round
+    them, and a checkpoint need not hold them (they follow from the config)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (d/2,) fp32
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device)  # each (s, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim {self.head_dim}, theta {self.theta}, scaling {self.scaling}"
 
 
 # The loss works in fp32 on at most this many logits at a time (64 MiB), never on a full-size fp32 copy.

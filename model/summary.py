@@ -41,26 +41,53 @@ def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[i
     return partition_balanced(weights=weights, num_parts=pipeline_parallel_size)
 
 
+def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """One transformer block on one TP rank: h hidden, f ffn, q query and g key/value heads of d, R = TP.
+
+    norms 2 x (2h LayerNorm | h RMSNorm); QKV h (q + 2g) d / R (+ (q + 2g) d / R bias unless bias "none");
+    attention output h q d / R (+ h bias with "all"); MLP gelu (h f + f h) / R (+ f / R + h), swiglu (2 h f + f h) / R
+    (+ 2 f / R + h), biases with "all" only. GPT-2 (q = g, q d = h, bias "all", gelu): 4h + (12 h^2 + 7h) / R + 2h.
+    """
+    h, f, tp, d = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size, config.head_dim
+    norms = 2 * _norm_parameters(config)
+    qkv = (h * config.qkv_size + (config.qkv_size if config.qkv_has_bias else 0)) // tp
+    bias = config.other_linears_have_bias
+    attention_out = h * config.num_attention_heads * d // tp + (h if bias else 0)
+    inner = 2 * f if config.mlp == "swiglu" else f  # the column-parallel MLP matrix's rows
+    mlp = (h * inner + (inner if bias else 0)) // tp + f * h // tp + (h if bias else 0)
+    return norms + qkv + attention_out + mlp
+
+
+def _norm_parameters(config: ModelConfig) -> int:
+    return 2 * config.hidden_size if config.norm == "layernorm" else config.hidden_size
+
+
 def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_size: int) -> int:
-    """Parameters of one layer on one TP rank, from the formula (h hidden, f ffn, V padded vocab, P positions)."""
-    h, f, tp = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size
-    if name == "WordEmbedding":
+    """Parameters of one layer on one TP rank, from the formula (h hidden, V padded vocab, P positions)."""
+    h, tp = config.hidden_size, tensor_parallel_size
+    if name in ("WordEmbedding", "OutputHead"):
         return config.padded_vocab_size(tp) // tp * h
     if name == "PositionEmbedding":
         return config.max_position_embeddings * h
-    if name == "FinalLayerNorm":
-        return 2 * h
+    if name == "EmbeddingDropout":
+        return 0
+    if name in ("FinalLayerNorm", "FinalRMSNorm"):
+        return _norm_parameters(config)
     if name == "TransformerLayer":
-        # 2 LayerNorms (4h), QKV (3h^2 + 3h)/tp, dense h^2/tp + h, fc1 (hf + f)/tp, fc2 hf/tp + h
-        return 4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h + (h * f + f) // tp + h * f // tp + h
+        return _block_parameters(config, tp)
     raise ValueError(f"no formula for layer {name}")
 
 
 def analytic_total_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
-    """The whole model, tied embedding counted once: V h + P h + L (4h^2 + 2hf + f + 9h) + 2h."""
-    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
-    vocab = config.padded_vocab_size(tensor_parallel_size)
-    return vocab * h + config.max_position_embeddings * h + layers * (4 * h * h + 2 * h * f + f + 9 * h) + 2 * h
+    """The whole model, a tied embedding counted once: V h (x 2 untied) + P h (learned positions) + L block + norm.
+
+    GPT-2: V h + P h + L (4h^2 + 2hf + f + 9h) + 2h. V is the padded vocabulary: for the tokenizer's own count (the
+    one Hugging Face reports), pass a config with make_vocab_size_divisible_by=1 and TP 1."""
+    h = config.hidden_size
+    embeddings = config.padded_vocab_size(tensor_parallel_size) * h * (1 if config.tie_word_embeddings else 2)
+    positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
+    blocks = config.num_layers * _block_parameters(config, 1)
+    return embeddings + positions + blocks + _norm_parameters(config)
 
 
 def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
@@ -103,7 +130,7 @@ def _once_per_tied_key(specs: list) -> list:
 def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_parallel_size: int) -> int:
     """The model's parameters from the stages' modules: the tied embedding (first and last stage) counted once."""
     total = sum(c.parameters_per_stage for c in counts)
-    if len(counts) > 1:
+    if len(counts) > 1 and config.tie_word_embeddings:
         total -= config.padded_vocab_size(tensor_parallel_size) * config.hidden_size
     return total
 
@@ -119,7 +146,7 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
     h, layers = config.hidden_size, config.num_layers
     lines += [
         "",
-        f"total (one replica, tied embedding once): {total:,} from the modules, {analytic:,} analytic "
+        f"total (one replica, {'tied embedding once' if config.tie_word_embeddings else 'untied head'}): {total:,} from the modules, {analytic:,} analytic "
         f"({'equal' if total == analytic else 'DIFFERENT'})",
         f"transformer blocks 12 l h^2 = {12 * layers * h * h:,}; padded vocabulary "
         f"{config.padded_vocab_size(tensor_parallel_size):,} (from {config.vocab_size:,})",

@@ -120,3 +120,81 @@ def test_single_stage_counts_the_tied_embedding_once():
     # by hand: V h + P h + L (12 h^2 + 13 h) + 2 h with V = 50304, P = 2048, L = 24, h = 2048
     expected = 50304 * 2048 + 2048 * 2048 + 24 * (12 * 2048**2 + 13 * 2048) + 2 * 2048
     assert counts[0].parameters_per_tp_rank == expected == total_from_stages(counts, config, 1) == 1_315_819_520
+
+
+LLAMA_FIELDS = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("fields, parallel, message", [
+    (dict(position_embedding="alibi"), None, "model.position_embedding must be one of ('learned', 'rope'), got 'alibi'"),
+    (dict(norm="batchnorm"), None, "model.norm must be one of ('layernorm', 'rmsnorm')"),
+    (dict(mlp="geglu"), None, "model.mlp must be one of ('gelu', 'swiglu')"),
+    (dict(bias="some"), None, "model.bias must be one of ('all', 'none', 'qkv')"),
+    (dict(num_key_value_heads=3), None,
+     "model.num_key_value_heads (3) does not divide model.num_attention_heads (4): choose key/value heads"),
+    (dict(num_key_value_heads=0), None, "model.num_key_value_heads must be a positive integer"),
+    (dict(num_key_value_heads=2), (4, 1),
+     "model.num_key_value_heads (2) is not divisible by parallelism.tensor_parallel_size (4): each TP rank holds "
+     "whole key/value groups"),
+    (dict(num_key_value_heads=1), (2, 1), "model.num_key_value_heads (1) is not divisible by"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}), None,
+     "model.rope_scaling is set but model.position_embedding is 'learned'"),
+    (dict(position_embedding="rope", rope_scaling={"rope_type": "yarn", "factor": 4.0}), None,
+     "model.rope_scaling type 'yarn' is not supported: only ('llama3',)"),
+    (dict(position_embedding="rope", rope_scaling={"type": "linear", "factor": 4.0}), None,
+     "model.rope_scaling type 'linear' is not supported"),
+    (dict(position_embedding="rope", rope_scaling={"rope_type": "llama3", "factor": 8.0}), None,
+     "model.rope_scaling of type \"llama3\" lacks ['low_freq_factor', 'high_freq_factor', "
+     "'original_max_position_embeddings']"),
+    (dict(position_embedding="rope", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                   "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+     None, "model.rope_scaling.high_freq_factor (1.0) must be greater than low_freq_factor (4.0)"),
+    (dict(position_embedding="rope", hidden_size=60, num_attention_heads=4), None,
+     "model.position_embedding \"rope\" needs an even head dimension, got hidden_size / num_attention_heads = 15"),
+    (dict(rope_theta=0.0), None, "model.rope_theta must be positive"),
+    (dict(tie_word_embeddings="no"), None, "model.tie_word_embeddings must be true or false"),
+])
+def test_invalid_llama_options_name_the_field(fields, parallel, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config = preset("tiny", **fields)
+        if parallel:
+            config.check_parallel(*parallel)
+
+
+def test_gpt2_shape_is_the_default():
+    config = preset("tiny")
+    assert (config.position_embedding, config.norm, config.mlp, config.bias) == ("learned", "layernorm", "gelu", "all")
+    assert config.tie_word_embeddings and config.num_key_value_heads == config.num_attention_heads == 4
+    assert config.qkv_size == 3 * config.hidden_size and config.rope_scaling is None
+
+
+def _assembled(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from TP shards that each stack their slice of ``stride`` sub-matrices along ``dim``."""
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([torch.cat([p[i] for p in pieces], dim=dim) for i in range(stride)], dim=dim)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4])
+def test_llama_shards_are_slices_of_the_unsharded_init(tensor_parallel_size):
+    """The same for a Llama shape: grouped QKV (8 heads in 4 groups), QKV bias, SwiGLU's stacked [gate r; up r]
+    (partition_stride 2), RMSNorm and the untied head."""
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, num_key_value_heads=4, seq_length=8,
+                         vocab_size=300, ffn_hidden_size=48, bias="qkv", **LLAMA_FIELDS)
+    full = dict(GPT(config, seed=7).named_parameters())
+    assert {"output_head.weight", "layers.0.mlp.gate_up.weight", "layers.0.attention.qkv.bias"} <= set(full)
+    assert "position_embedding.weight" not in full and "layers.0.ln1.bias" not in full
+    shards = [dict(GPT(config, ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=r),
+                       seed=7).named_parameters()) for r in range(tensor_parallel_size)]
+    for name, reference in full.items():
+        parts = [shard[name].detach() for shard in shards]
+        if not getattr(shards[0][name], "tensor_model_parallel", False):
+            assert all(torch.equal(p, reference) for p in parts), name
+            continue
+        assembled = _assembled(parts, shards[0][name].partition_dim, shards[0][name].partition_stride)
+        if name in ("word_embeddings.weight", "output_head.weight"):  # the padding grows with TP
+            assembled, reference = assembled[:config.vocab_size], reference[:config.vocab_size]
+        assert torch.equal(assembled, reference), name
+    gate_up = full["layers.0.mlp.gate_up.weight"]
+    assert gate_up.shape == (96, 32) and not torch.equal(gate_up[:48], gate_up[48:])
+    assert not torch.equal(full["word_embeddings.weight"], full["output_head.weight"])
