@@ -46,24 +46,24 @@ def run_overrides(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: 
 
 
 def train_arguments(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                    processes: int = 4) -> list[str]:
+                    processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json") -> list[str]:
     """train.py and its arguments."""
-    arguments = ["train.py", "--ds_config", "ds_configs/tiny-cpu.json"]
+    arguments = ["train.py", "--ds_config", ds_config]
     for item in run_overrides(data_prefix, save, max_steps, extra, processes):
         arguments += ["--set", item]
     return arguments
 
 
 def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                  processes: int = 4) -> list[str]:
+                  processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json") -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes), "--master_port",
-            str(free_port()), *train_arguments(data_prefix, save, max_steps, extra, processes)]
+            str(free_port()), *train_arguments(data_prefix, save, max_steps, extra, processes, ds_config)]
 
 
 def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                 faults: dict | None = None, expect_success: bool = True, processes: int = 4
-                 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes), cwd=ROOT,
+                 faults: dict | None = None, expect_success: bool = True, processes: int = 4,
+                 ds_config: str = "ds_configs/tiny-cpu.json") -> subprocess.CompletedProcess:
+    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config), cwd=ROOT,
                             env=launcher_env(faults),
                             capture_output=True, text=True, timeout=600)
     if expect_success:

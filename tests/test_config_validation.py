@@ -126,7 +126,8 @@ def test_invalid_config_is_refused_naming_the_field(field, value, world_size, me
 
 def test_the_shipped_configs_are_valid():
     """Each at the cluster sizes it is meant for: 530B at DP 8 and 16, the GPT-3 shapes on 1 to 8 GPUs."""
-    data_parallel_sizes = {"530b": (8, 16), "125m": (1, 2, 4, 8), "1.3b": (1, 2, 4, 8), "tiny-cpu": (1, 2)}
+    data_parallel_sizes = {"530b": (8, 16), "125m": (1, 2, 4, 8), "1.3b": (1, 2, 4, 8), "tiny-cpu": (1, 2),
+                           "llama-tiny-cpu": (1, 2)}
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
         config = parse_run_config(json.loads(path.read_text()), source=str(path))
         for data_parallel_size in data_parallel_sizes[path.stem]:

@@ -99,3 +99,24 @@ def test_default_report_prints_on_rank_zero_only(monkeypatch, capsys):
                                           ("h100-80gb", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")])
 def test_planner_presets_use_the_same_peaks(preset, name):
     assert GPU_PRESETS[preset].peak_tflops == match_gpu(name).dense_bf16_tflops
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b", "1.3b"])
+def test_flops_count_every_matmul_weight_of_the_real_block(name):
+    """Without recomputation the model FLOPs are 6 per token per matmul weight (forward 2, backward 4) of the blocks
+    and of the head, plus the attention core 3 x 4 s h per token and layer: the weights counted from a block built on
+    the meta device, so GQA's smaller K/V and SwiGLU's third matrix are what the model really has."""
+    import torch
+
+    from model.config import preset
+    from model.gpt import TransformerLayer
+    from model.parallel import ParallelContext
+    from training.metrics import flops_per_iteration
+
+    config = preset(name)
+    with torch.device("meta"):
+        block = TransformerLayer(config, ParallelContext(), seed=0, layer_number=1)
+    matmul_weights = sum(p.numel() for p in block.parameters() if p.ndim == 2)
+    s, h, layers, vocab = config.seq_length, config.hidden_size, config.num_layers, config.padded_vocab_size(1)
+    per_token = 6 * (layers * matmul_weights + h * vocab) + 3 * 4 * s * h * layers
+    assert flops_per_iteration(config, 16, 1, recompute=False) == pytest.approx(16 * s * per_token, rel=1e-12)

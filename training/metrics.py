@@ -74,14 +74,31 @@ UNKNOWN_GPU_MESSAGE = ("MFU n/a: set training.peak_tflops_per_gpu (the dense bf1
                        "training/metrics.py GPU_PEAKS)")
 
 
+def layer_forward_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of one transformer block per token: 2 x its matmul weights, plus the attention core.
+
+    Weights: QKV (h x (query + 2 key/value heads) x head_dim), the output projection (h x h), the MLP (2 matrices of
+    h x ffn for GeLU, 3 for SwiGLU). The core, QK^T and the weighted sum of V, is 4 s h per token for every query head
+    (grouped-query attention repeats K and V; causality is not discounted, as in Narayanan et al.). For the GPT
+    shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et al. 2021.
+    """
+    h = config.hidden_size
+    weights = h * config.qkv_size + h * h + (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    return 2.0 * weights + 4.0 * config.seq_length * h
+
+
 def flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_size: int,
                         recompute: bool | None = None) -> float:
-    """Model FLOPs of one optimizer step of ``global_batch`` sequences (recompute defaults to the config's)."""
+    """Model FLOPs of one optimizer step of ``global_batch`` sequences (recompute defaults to the config's).
+
+    Forward + backward is 3 forwards, 4 with activation recomputation; the logits (2 h V per token forward) are never
+    recomputed. GPT shape: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), or 72 and V/(12 l h) without recomputation.
+    """
     recompute = config.activation_checkpointing if recompute is None else recompute
-    s, layers, h = config.seq_length, config.num_layers, config.hidden_size
-    vocab = config.padded_vocab_size(tensor_parallel_size)
-    factor, vocab_term = (96.0, vocab / (16.0 * layers * h)) if recompute else (72.0, vocab / (12.0 * layers * h))
-    return factor * global_batch * s * layers * h * h * (1.0 + s / (6.0 * h) + vocab_term)
+    passes = 4.0 if recompute else 3.0
+    tokens = global_batch * config.seq_length
+    logits = 3.0 * 2.0 * config.hidden_size * config.padded_vocab_size(tensor_parallel_size)
+    return tokens * (passes * config.num_layers * layer_forward_flops_per_token(config) + logits)
 
 
 def tflops_per_gpu(flops: float, iteration_seconds: float, num_gpus: int) -> float:

@@ -112,9 +112,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.config import ModelConfig
+from model.gpt import FINAL_NORMS
 from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
 from training.config import RunConfig
-from training.metrics import flops_per_iteration, tflops_per_gpu
+from training.metrics import flops_per_iteration, layer_forward_flops_per_token, tflops_per_gpu
 from training.schedules import BatchRamp
 
 GIB = 2**30
@@ -320,7 +321,7 @@ def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, t
     layers = transformer_layers(count)
     first_stage_mask = s * b * h if "PositionEmbedding" in count.layers and model.hidden_dropout > 0 else 0
     # the last stage's head: final LayerNorm and head inputs, and the fp32 logits of this rank's vocabulary slice
-    head = 2 * hidden_tensor + 4 * s * b * model.padded_vocab_size(t) / t if "FinalLayerNorm" in count.layers else 0
+    head = 2 * hidden_tensor + 4 * s * b * model.padded_vocab_size(t) / t if holds_head(count) else 0
     return StageActivations(
         per_micro_batch_recompute=int(layers * hidden_tensor + hidden_tensor + first_stage_mask),
         per_micro_batch_no_recompute=int(layers * layer + hidden_tensor + first_stage_mask),
@@ -439,13 +440,21 @@ def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_paralle
                  hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency)
 
 
+FINAL_NORM_LAYERS = {norm.__name__ for norm in FINAL_NORMS.values()}
+
+
+def holds_head(count: StageCount) -> bool:
+    """The last stage: it holds the final norm (and computes the logits and the loss)."""
+    return any(name in FINAL_NORM_LAYERS for name in count.layers)
+
+
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
                                 recompute: bool) -> float:
     """FLOPs of one micro-batch's forward and backward on one GPU of the stage (module docstring)."""
     s, h, t = model.seq_length, model.hidden_size, tensor_parallel_size
-    factor = 96.0 if recompute else 72.0
-    layers = factor * micro_batch * s * h * h * (1.0 + s / (6.0 * h)) * transformer_layers(count)
-    logits = 6.0 * micro_batch * s * h * model.padded_vocab_size(t) if "FinalLayerNorm" in count.layers else 0.0
+    passes = 4.0 if recompute else 3.0
+    layers = passes * micro_batch * s * layer_forward_flops_per_token(model) * transformer_layers(count)
+    logits = 6.0 * micro_batch * s * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
     return (layers + logits) / t
 
 
@@ -471,7 +480,7 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
     recompute = model.activation_checkpointing
     hidden_tensor = hidden_tensor_bytes(model, b)
     all_reduces = transformer_layers(count) * (6 if recompute else 4)
-    all_reduces += ("PositionEmbedding" in count.layers) + ("FinalLayerNorm" in count.layers)
+    all_reduces += ("PositionEmbedding" in count.layers) + holds_head(count)
     transfers = 0 if pp == 1 else 2 * ((count.stage > 0) + (count.stage < pp - 1))
     piece = hidden_tensor / tp if layout.pipe_partitioned else hidden_tensor
     rebuild = ring_all_gather_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s) if layout.pipe_partitioned \
