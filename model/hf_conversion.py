@@ -1,13 +1,28 @@
-"""Hugging Face interop: a checkpoint of this project <-> a ``transformers`` ``GPT2LMHeadModel``, one layer at a time.
+"""Hugging Face interop: a checkpoint of this project <-> a ``transformers`` causal LM, one layer at a time.
 
-Both are the same function (pre-LN GPT, learned positions, GeLU MLP of ffn, tied embedding, causal attention scaled
-by 1/sqrt(d)). The tensors differ in four ways, all handled by ``TensorMap`` below and nowhere else:
+Four architectures, each the same function as this project's GPT with the matching ModelConfig fields:
 
-    here (TP shards merged)                               Hugging Face GPT-2
-    word embedding [V_padded, h], rows split over TP      transformer.wte.weight [V, h]: padding rows dropped
-    qkv.weight [3h, h], rows [heads, 3 (q,k,v), d]        attn.c_attn.weight [h, 3h], columns [3 (q,k,v), heads, d]
-    Linear weights [out, in] (split over TP)              Conv1D weights [in, out]: the transpose
-    blocks are layers 2..L+1 of the pipeline              transformer.h.0 .. h.{L-1}
+    GPT2LMHeadModel      position_embedding "learned", norm "layernorm", mlp "gelu", tied, bias "all", multi-head
+    LlamaForCausalLM     position_embedding "rope" (llama3 scaling or none), norm "rmsnorm", mlp "swiglu", grouped KV
+                         heads, tied or not, bias "none" (or "all": attention_bias and mlp_bias)
+    MistralForCausalLM   as Llama, bias "none"; a sliding window shorter than the context is refused
+    Qwen2ForCausalLM     as Llama, bias "qkv" (q, k and v projections only); no sliding window
+
+Each architecture is one table below (``ARCHITECTURES``): our (layer, tensor) -> the HF name(s), ``{}`` standing for
+the block index, and the transform that turns one into the other. The transforms, and nowhere else:
+
+    here (TP shards merged)                              Hugging Face                                  transform
+    word embedding / untied head [V_padded, h]           embed_tokens / wte / lm_head [V, h]           "vocab"
+      rows split over TP                                   the padding rows dropped (zeros on import)
+    Linear weights [out, in]                             GPT-2's Conv1D [in, out]: the transpose       "conv1d"
+    GPT-2 qkv [3h, h], rows [heads, 3 (q,k,v), d]        c_attn [h, 3h], columns [3 (q,k,v), heads, d]  "conv1d_qkv"
+    grouped qkv [(nh + 2 g) d, h], rows per KV group     q_proj [nh d, h], k_proj, v_proj [g d, h]      "grouped_qkv"
+      [g, nh/g + 2, d]: the group's query heads, k, v    (query head j in group j // (nh/g))
+    gate_up [2 f, h]: TP rank r holds [gate_r; up_r]     gate_proj, up_proj [f, h]                     "gate_up"
+    everything else                                      the same tensor                               "copy"
+    blocks are layers 2..L+1 of the pipeline             transformer.h.{i} / model.layers.{i}, i = 0..L-1
+
+RoPE is HF's non-interleaved rotate_half here too, so q_proj and k_proj need no row permutation.
 
 The padded vocabulary rows (ids >= vocab_size, whose logits this project forces to -inf) are dropped on export: the
 HF model has exactly the tokenizer's vocabulary and gives the same distribution. On import they are zeros.
@@ -16,11 +31,14 @@ The checkpoint layout (DeepSpeed's pipeline engine, via training/checkpoint.py),
 
     <dir>/latest                                     the tag of the newest complete checkpoint, e.g. global_step1000
     <dir>/<tag>/layer_XX-model_YY-model_states.pt   layer XX of gpt_layer_specs on TP rank YY (a plain state_dict):
-                                                     0 word embedding (tied: saved once), 1 positions,
-                                                     2..L+1 transformer blocks, L+2 final LayerNorm
+                                                     0 word embedding (tied: saved once), 1 positions (RoPE: an
+                                                     empty state_dict), 2..L+1 transformer blocks, L+2 final norm,
+                                                     L+3 the untied output head
     <dir>/<tag>/mp_rank_MM_model_states.pt           one per stage x TP rank, MM = stage * TP + YY: DeepSpeed's
                                                      bookkeeping and the client_state (run_config, train_state)
     <dir>/<tag>/[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO fp32 master weights and Adam moments
+    <dir>/hf_import.json, <dir>/hf_tokenizer/        an imported checkpoint only: the import record, and the HF
+                                                     model's tokenizer files (the export ships them again)
 
 Memory: only one layer's shards are read at a time (memory-mapped) and each output tensor is written as soon as it is
 merged, into safetensors files whose headers are planned up front; peak memory follows the largest layer.
@@ -34,19 +52,23 @@ import os
 import shutil
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from model.config import GPT2_VOCAB_SIZE, ModelConfig, ParallelConfig, preset
+from model.config import GPT2_VOCAB_SIZE, LLAMA3_SCALING_KEYS, ModelConfig, ParallelConfig, preset
 from training.checkpoint import read_latest, write_latest
 
-HF_ARCHITECTURE = "GPT2LMHeadModel"
+HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
 IMPORT_TAG = "global_step0"
 IMPORT_RECORD = "hf_import.json"
+TOKENIZER_DIRECTORY = "hf_tokenizer"
+# What save_pretrained of a tokenizer may write (slow and fast, SentencePiece and BPE); copied as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -57,21 +79,149 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 # -- the map between the two models ----------------------------------------------------------------------------------
 
+# Our tensors, by (layer kind, state_dict key): unsharded dims (symbols of ``_dimensions``) and the dimension split
+# over TP ranks (None: replicated). Which of them a model has follows from its config (``_our_keys``).
+OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
+    ("embedding", "weight"): (("padded_vocab", "h"), 0),
+    ("positions", "weight"): (("positions", "h"), None),
+    ("block", "ln1.weight"): (("h",), None),
+    ("block", "ln1.bias"): (("h",), None),
+    ("block", "attention.qkv.weight"): (("qkv", "h"), 0),
+    ("block", "attention.qkv.bias"): (("qkv",), 0),
+    ("block", "attention.dense.weight"): (("h", "h"), 1),
+    ("block", "attention.dense.bias"): (("h",), None),
+    ("block", "ln2.weight"): (("h",), None),
+    ("block", "ln2.bias"): (("h",), None),
+    ("block", "mlp.fc1.weight"): (("f", "h"), 0),
+    ("block", "mlp.fc1.bias"): (("f",), 0),
+    ("block", "mlp.fc2.weight"): (("h", "f"), 1),
+    ("block", "mlp.fc2.bias"): (("h",), None),
+    ("block", "mlp.gate_up.weight"): (("2f", "h"), 0),
+    ("block", "mlp.gate_up.bias"): (("2f",), 0),
+    ("block", "mlp.down.weight"): (("h", "f"), 1),
+    ("block", "mlp.down.bias"): (("h",), None),
+    ("final_norm", "weight"): (("h",), None),
+    ("final_norm", "bias"): (("h",), None),
+    ("head", "weight"): (("padded_vocab", "h"), 0),
+}
+
+# transform name -> (HF stores the transpose, layout); the layouts are handled by split_from_hf / merge_to_hf
+TRANSFORMS = {"copy": (False, "plain"), "vocab": (False, "vocab"), "conv1d": (True, "plain"),
+              "conv1d_qkv": (True, "qkv"), "grouped_qkv": (False, "grouped_qkv"), "gate_up": (False, "gate_up")}
+
+GPT2_TENSORS = {
+    ("embedding", "weight"): ("transformer.wte.weight", "vocab"),
+    ("positions", "weight"): ("transformer.wpe.weight", "copy"),
+    ("block", "ln1.weight"): ("transformer.h.{}.ln_1.weight", "copy"),
+    ("block", "ln1.bias"): ("transformer.h.{}.ln_1.bias", "copy"),
+    ("block", "attention.qkv.weight"): ("transformer.h.{}.attn.c_attn.weight", "conv1d_qkv"),
+    ("block", "attention.qkv.bias"): ("transformer.h.{}.attn.c_attn.bias", "conv1d_qkv"),
+    ("block", "attention.dense.weight"): ("transformer.h.{}.attn.c_proj.weight", "conv1d"),
+    ("block", "attention.dense.bias"): ("transformer.h.{}.attn.c_proj.bias", "copy"),
+    ("block", "ln2.weight"): ("transformer.h.{}.ln_2.weight", "copy"),
+    ("block", "ln2.bias"): ("transformer.h.{}.ln_2.bias", "copy"),
+    ("block", "mlp.fc1.weight"): ("transformer.h.{}.mlp.c_fc.weight", "conv1d"),
+    ("block", "mlp.fc1.bias"): ("transformer.h.{}.mlp.c_fc.bias", "copy"),
+    ("block", "mlp.fc2.weight"): ("transformer.h.{}.mlp.c_proj.weight", "conv1d"),
+    ("block", "mlp.fc2.bias"): ("transformer.h.{}.mlp.c_proj.bias", "copy"),
+    ("final_norm", "weight"): ("transformer.ln_f.weight", "copy"),
+    ("final_norm", "bias"): ("transformer.ln_f.bias", "copy"),
+}
+
+_ATTENTION = "model.layers.{}.self_attn."
+LLAMA_TENSORS = {  # LlamaForCausalLM; MistralForCausalLM and Qwen2ForCausalLM name their tensors the same way
+    ("embedding", "weight"): ("model.embed_tokens.weight", "vocab"),
+    ("block", "ln1.weight"): ("model.layers.{}.input_layernorm.weight", "copy"),
+    ("block", "attention.qkv.weight"): ((_ATTENTION + "q_proj.weight", _ATTENTION + "k_proj.weight",
+                                         _ATTENTION + "v_proj.weight"), "grouped_qkv"),
+    ("block", "attention.qkv.bias"): ((_ATTENTION + "q_proj.bias", _ATTENTION + "k_proj.bias",
+                                       _ATTENTION + "v_proj.bias"), "grouped_qkv"),
+    ("block", "attention.dense.weight"): (_ATTENTION + "o_proj.weight", "copy"),
+    ("block", "attention.dense.bias"): (_ATTENTION + "o_proj.bias", "copy"),
+    ("block", "ln2.weight"): ("model.layers.{}.post_attention_layernorm.weight", "copy"),
+    ("block", "mlp.gate_up.weight"): (("model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"),
+                                      "gate_up"),
+    ("block", "mlp.gate_up.bias"): (("model.layers.{}.mlp.gate_proj.bias", "model.layers.{}.mlp.up_proj.bias"),
+                                    "gate_up"),
+    ("block", "mlp.down.weight"): ("model.layers.{}.mlp.down_proj.weight", "copy"),
+    ("block", "mlp.down.bias"): ("model.layers.{}.mlp.down_proj.bias", "copy"),
+    ("final_norm", "weight"): ("model.norm.weight", "copy"),
+    ("head", "weight"): ("lm_head.weight", "vocab"),
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face architecture: its names and its tensor table."""
+
+    name: str
+    """config.json's ``architectures`` entry (the transformers class)."""
+    model_type: str
+    base_prefix: str
+    """Prefix of the base model's weights: a directory saved from the base model (GPT2Model) lacks it."""
+    tensors: dict[tuple[str, str], tuple[str | tuple[str, ...], str]]
+    """(our layer kind, our key) -> (HF name or names, ``{}`` for the block index; transform name)."""
+
+
+ARCHITECTURES = {arch.name: arch for arch in (
+    Architecture("GPT2LMHeadModel", "gpt2", "transformer.", GPT2_TENSORS),
+    Architecture("LlamaForCausalLM", "llama", "model.", LLAMA_TENSORS),
+    Architecture("MistralForCausalLM", "mistral", "model.", LLAMA_TENSORS),
+    Architecture("Qwen2ForCausalLM", "qwen2", "model.", LLAMA_TENSORS),
+)}
+
+
+def compatible_architectures(config: ModelConfig) -> list[Architecture]:
+    """The HF architectures that compute this model's function, preferred first (none for a mixed shape)."""
+    if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias) == (
+            "learned", "layernorm", "gelu", True, "all") and config.num_key_value_heads == config.num_attention_heads:
+        return [ARCHITECTURES["GPT2LMHeadModel"]]
+    if (config.position_embedding, config.norm, config.mlp) != ("rope", "rmsnorm", "swiglu"):
+        return []
+    names = {"none": ["LlamaForCausalLM", "MistralForCausalLM"], "all": ["LlamaForCausalLM"],
+             "qkv": ["Qwen2ForCausalLM"]}[config.bias]
+    return [ARCHITECTURES[name] for name in names]
+
+
+def resolve_architecture(config: ModelConfig, name: str | None = None) -> Architecture:
+    """``name`` (checked against the model's shape), or the first architecture that fits the shape."""
+    fits = compatible_architectures(config)
+    if name is not None and name not in ARCHITECTURES:
+        raise ValueError(f"architecture {name!r} is not supported: choose one of {sorted(ARCHITECTURES)}")
+    if not fits:
+        fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
+                                                        "bias", "num_key_value_heads")}
+        raise ValueError(f"this model's shape ({', '.join(f'model.{k} = {v!r}' for k, v in fields.items())}) is no "
+                         f"Hugging Face architecture converted here: GPT-2's is learned/layernorm/gelu/tied/bias all, "
+                         f"the Llama family's rope/rmsnorm/swiglu")
+    if name is None:
+        return fits[0]
+    if ARCHITECTURES[name] not in fits:
+        raise ValueError(f"this model's shape converts only to {' / '.join(a.name for a in fits)}, not {name}")
+    return ARCHITECTURES[name]
+
+
 class TensorMap(NamedTuple):
     """One tensor of one layer, here and in Hugging Face."""
 
     ours: str
     """Key in the layer's state_dict (one layer_XX file)."""
-    hf: str
-    """Key in the HF GPT2LMHeadModel state_dict."""
+    hf: str | tuple[str, ...]
+    """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up)."""
     dims: tuple[str, ...]
-    """Unsharded shape here, in the symbols of ``_dimensions`` (h, 3h, f, positions, padded_vocab)."""
+    """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, positions, padded_vocab)."""
     partition_dim: int | None = None
     """Dimension split over TP ranks here; None: replicated on every TP rank."""
     transposed: bool = False
     """HF's Conv1D stores [in, out], the transpose of our Linear's [out, in]."""
     layout: str = "plain"
-    """"qkv": rows per head [heads, 3, d] here, [3, heads, d] in HF; "vocab": padding rows here only."""
+    """"qkv": GPT-2's rows per head [heads, 3, d] here, [3, heads, d] in HF; "grouped_qkv": rows per KV group here,
+    HF's q, k, v apart; "gate_up": [gate_r; up_r] per TP rank here, HF's gate and up apart; "vocab": padding rows
+    here only."""
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,) if isinstance(self.hf, str) else self.hf
 
 
 class LayerMap(NamedTuple):
@@ -81,50 +231,64 @@ class LayerMap(NamedTuple):
     tensors: tuple[TensorMap, ...]
 
 
-def _block_tensors(block: int) -> tuple[TensorMap, ...]:
-    hf = f"transformer.h.{block}."
-    return (
-        TensorMap("ln1.weight", hf + "ln_1.weight", ("h",)),
-        TensorMap("ln1.bias", hf + "ln_1.bias", ("h",)),
-        TensorMap("attention.qkv.weight", hf + "attn.c_attn.weight", ("3h", "h"), 0, True, "qkv"),
-        TensorMap("attention.qkv.bias", hf + "attn.c_attn.bias", ("3h",), 0, False, "qkv"),
-        TensorMap("attention.dense.weight", hf + "attn.c_proj.weight", ("h", "h"), 1, True),
-        TensorMap("attention.dense.bias", hf + "attn.c_proj.bias", ("h",)),
-        TensorMap("ln2.weight", hf + "ln_2.weight", ("h",)),
-        TensorMap("ln2.bias", hf + "ln_2.bias", ("h",)),
-        TensorMap("mlp.fc1.weight", hf + "mlp.c_fc.weight", ("f", "h"), 0, True),
-        TensorMap("mlp.fc1.bias", hf + "mlp.c_fc.bias", ("f",), 0),
-        TensorMap("mlp.fc2.weight", hf + "mlp.c_proj.weight", ("h", "f"), 1, True),
-        TensorMap("mlp.fc2.bias", hf + "mlp.c_proj.bias", ("h",)),
-    )
+def _our_keys(config: ModelConfig, kind: str) -> list[str]:
+    """The state_dict keys of one layer of this model (layer kinds as in OUR_TENSORS)."""
+    norm = ["weight", "bias"] if config.norm == "layernorm" else ["weight"]
+    if kind == "embedding":
+        return ["weight"]
+    if kind == "positions":
+        return ["weight"] if config.position_embedding == "learned" else []
+    if kind == "final_norm":
+        return norm
+    if kind == "head":
+        return [] if config.tie_word_embeddings else ["weight"]
+    first, second = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
+    keys = [f"ln1.{p}" for p in norm] + ["attention.qkv.weight"]
+    keys += ["attention.qkv.bias"] if config.qkv_has_bias else []
+    keys += ["attention.dense.weight"] + (["attention.dense.bias"] if config.other_linears_have_bias else [])
+    keys += [f"ln2.{p}" for p in norm]
+    for linear in (first, second):
+        keys += [f"mlp.{linear}.weight"] + ([f"mlp.{linear}.bias"] if config.other_linears_have_bias else [])
+    return keys
 
 
-def _require_gpt2_shape(config: ModelConfig) -> None:
-    """The map below is GPT2LMHeadModel's; the Llama-family options of ModelConfig have no map to HF yet."""
-    gpt2 = ModelConfig(num_layers=1, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                       seq_length=1)
-    different = [name for name in ("position_embedding", "norm", "mlp", "num_key_value_heads", "tie_word_embeddings",
-                                   "bias") if getattr(config, name) != getattr(gpt2, name)]
-    if different:
-        raise ValueError(f"only the GPT-2 shape converts to and from Hugging Face so far; this model differs in "
-                         f"{', '.join(f'model.{name} = {getattr(config, name)!r}' for name in different)}")
+def _layer_tensors(config: ModelConfig, architecture: Architecture, kind: str, block: int = 0
+                   ) -> tuple[TensorMap, ...]:
+    tensors = []
+    for key in _our_keys(config, kind):
+        if (kind, key) not in architecture.tensors:
+            raise ValueError(f"{architecture.name} has no tensor for this model's {kind} {key}: the model's shape "
+                             f"is not a {architecture.name}")
+        hf, transform = architecture.tensors[kind, key]
+        names = hf.format(block) if isinstance(hf, str) else tuple(name.format(block) for name in hf)
+        dims, partition_dim = OUR_TENSORS[kind, key]
+        transposed, layout = TRANSFORMS[transform]
+        tensors.append(TensorMap(key, names, dims, partition_dim, transposed, layout))
+    return tuple(tensors)
 
 
-def layer_maps(config: ModelConfig) -> list[LayerMap]:
-    """Every saved layer, in pipeline order (the tied output head, layer L+3, is the embedding: not saved again)."""
-    _require_gpt2_shape(config)
-    embedding = TensorMap("weight", "transformer.wte.weight", ("padded_vocab", "h"), 0, layout="vocab")
-    positions = TensorMap("weight", "transformer.wpe.weight", ("positions", "h"))
-    final = (TensorMap("weight", "transformer.ln_f.weight", ("h",)), TensorMap("bias", "transformer.ln_f.bias", ("h",)))
-    blocks = [LayerMap(2 + i, f"transformer block {i}", _block_tensors(i)) for i in range(config.num_layers)]
-    return [LayerMap(0, "word embedding", (embedding,)), LayerMap(1, "position embedding", (positions,)), *blocks,
-            LayerMap(config.num_layers + 2, "final LayerNorm", final)]
+def layer_maps(config: ModelConfig, architecture: Architecture | None = None) -> list[LayerMap]:
+    """Every saved layer, in pipeline order (the tied output head is the embedding, layer 0: not saved again).
+
+    ``architecture`` defaults to the first that fits the model's shape (the tensor names of Llama, Mistral and
+    Qwen2 are the same)."""
+    architecture = architecture or resolve_architecture(config)
+    last = config.num_layers + 2
+    maps = [LayerMap(0, "word embedding", _layer_tensors(config, architecture, "embedding")),
+            LayerMap(1, "position embedding" if config.position_embedding == "learned" else "embedding dropout",
+                     _layer_tensors(config, architecture, "positions")),
+            *[LayerMap(2 + i, f"transformer block {i}", _layer_tensors(config, architecture, "block", i))
+              for i in range(config.num_layers)],
+            LayerMap(last, "final norm", _layer_tensors(config, architecture, "final_norm"))]
+    if not config.tie_word_embeddings:
+        maps.append(LayerMap(last + 1, "output head", _layer_tensors(config, architecture, "head")))
+    return maps
 
 
 def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int]:
-    h = config.hidden_size
-    return {"h": h, "3h": 3 * h, "f": config.ffn_hidden_size, "positions": config.max_position_embeddings,
-            "padded_vocab": config.padded_vocab_size(tensor_parallel_size)}
+    f = config.ffn_hidden_size
+    return {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f,
+            "positions": config.max_position_embeddings, "padded_vocab": config.padded_vocab_size(tensor_parallel_size)}
 
 
 def full_shape(tensor: TensorMap, config: ModelConfig, tensor_parallel_size: int) -> tuple[int, ...]:
@@ -141,15 +305,29 @@ def shard_shape(tensor: TensorMap, config: ModelConfig, tensor_parallel_size: in
 
 
 def hf_shape(tensor: TensorMap, config: ModelConfig) -> tuple[int, ...]:
+    """The HF shape of a tensor that is one tensor in HF too."""
     shape = full_shape(tensor, config, 1)
     if tensor.layout == "vocab":
         shape = (config.vocab_size, *shape[1:])
     return tuple(reversed(shape)) if tensor.transposed else shape
 
 
-def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(tensor: TensorMap, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor of one of ours, by name, in the order of ``tensor.hf_names``."""
+    rest = full_shape(tensor, config, 1)[1:]  # () for a bias, (h,) for a weight
+    if tensor.layout == "grouped_qkv":
+        d = config.head_dim
+        sizes = (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d)
+        return {name: (size, *rest) for name, size in zip(tensor.hf_names, sizes, strict=True)}
+    if tensor.layout == "gate_up":
+        return {name: (config.ffn_hidden_size, *rest) for name in tensor.hf_names}
+    return {tensor.hf: hf_shape(tensor, config)}
+
+
+def hf_shapes(config: ModelConfig, architecture: Architecture | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor of the exported model, in the order the export writes them."""
-    return {t.hf: hf_shape(t, config) for layer in layer_maps(config) for t in layer.tensors}
+    return {name: shape for layer in layer_maps(config, architecture) for t in layer.tensors
+            for name, shape in hf_tensor_shapes(t, config).items()}
 
 
 def _qkv_hf_to_heads(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -157,11 +335,34 @@ def _qkv_hf_to_heads(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     return tensor.reshape(3, num_heads, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
 
-def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The TP shards of one tensor (rank order) -> the HF tensor. Replicated: rank 0's copy.
+def _grouped_qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q [nh d, ...], k and v [g d, ...] -> rows [g, nh/g + 2, d]: each group's query heads, its k, its v."""
+    groups, d = config.num_key_value_heads, config.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, config.queries_per_key_value_head, d, *rest), k.reshape(groups, 1, d, *rest),
+             v.reshape(groups, 1, d, *rest))
+    return torch.cat(parts, dim=1).reshape(config.qkv_size, *rest)
 
-    One allocation: each shard is copied straight into its place in the output (no concatenated intermediate).
+
+def _grouped_qkv_to_hf(full: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]:
+    per_group, rest = config.queries_per_key_value_head, full.shape[1:]
+    grouped = full.reshape(config.num_key_value_heads, per_group + 2, config.head_dim, *rest)
+    return (grouped[:, :per_group].reshape(-1, *rest).clone(), grouped[:, per_group].reshape(-1, *rest).clone(),
+            grouped[:, per_group + 1].reshape(-1, *rest).clone())
+
+
+def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConfig
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The TP shards of one tensor (rank order) -> the HF tensor (a tuple in ``tensor.hf_names`` order for a tensor
+    fused here). Replicated: rank 0's copy.
+
+    One allocation for a single HF tensor: each shard is copied straight into its place in the output.
     """
+    if tensor.layout == "grouped_qkv":  # whole KV groups per rank: the full tensor is the concatenation
+        return _grouped_qkv_to_hf(torch.cat(shards), config)
+    if tensor.layout == "gate_up":  # rank r: [gate_r; up_r]
+        halves = [shard.chunk(2) for shard in shards]
+        return torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])
     out = torch.empty(hf_shape(tensor, config), dtype=shards[0].dtype)
     ours = out.t() if tensor.transposed else out  # the output seen in our [out, in] orientation
     if tensor.partition_dim is None:
@@ -181,10 +382,17 @@ def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConf
     return out
 
 
-def split_from_hf(tensor: TensorMap, value: torch.Tensor, config: ModelConfig,
+def split_from_hf(tensor: TensorMap, value: torch.Tensor | Sequence[torch.Tensor], config: ModelConfig,
                   tensor_parallel_size: int) -> list[torch.Tensor]:
-    """An HF tensor -> this project's shard for each TP rank (rank order), each its own storage."""
-    full = value.t() if tensor.transposed else value
+    """An HF tensor (a sequence in ``tensor.hf_names`` order for a tensor fused here) -> this project's shard for
+    each TP rank (rank order), each its own storage."""
+    if tensor.layout == "gate_up":  # rank r: [gate rows of r; up rows of r]
+        gate, up = (part.chunk(tensor_parallel_size) for part in value)
+        return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
+    if tensor.layout == "grouped_qkv":
+        full = _grouped_qkv_from_hf(*value, config)
+    else:
+        full = value.t() if tensor.transposed else value
     if tensor.layout == "qkv":
         full = _qkv_hf_to_heads(full, config.num_attention_heads)
     elif tensor.layout == "vocab":
@@ -441,19 +649,48 @@ class SafetensorsShardWriter:
 
 # -- export ----------------------------------------------------------------------------------------------------------
 
-def hf_config(config: ModelConfig, dtype: torch.dtype, end_of_text_id: int | None):
-    """The transformers GPT2Config of this model (vocabulary unpadded)."""
-    from transformers import GPT2Config
+def hf_config(config: ModelConfig, dtype: torch.dtype, end_of_text_id: int | None,
+              architecture: Architecture | None = None, begin_of_text_id: int | None = None):
+    """The transformers config of this model as ``architecture`` (default: the first that fits; vocabulary
+    unpadded). ``begin_of_text_id`` defaults to the end-of-text id (GPT-2's single <|endoftext|>)."""
+    architecture = architecture or resolve_architecture(config)
+    begin = end_of_text_id if begin_of_text_id is None else begin_of_text_id
+    if architecture.model_type == "gpt2":
+        from transformers import GPT2Config
 
-    ffn = config.ffn_hidden_size
-    return GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
-        n_layer=config.num_layers, n_head=config.num_attention_heads,
-        n_inner=None if ffn == 4 * config.hidden_size else ffn,
-        activation_function=ACTIVATION_TO_HF[config.activation], layer_norm_epsilon=config.layernorm_epsilon,
-        resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
-        initializer_range=config.init_method_std, bos_token_id=end_of_text_id, eos_token_id=end_of_text_id,
-        architectures=[HF_ARCHITECTURE], tie_word_embeddings=True, dtype=str(dtype).removeprefix("torch."))
+        ffn = config.ffn_hidden_size
+        return GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads,
+            n_inner=None if ffn == 4 * config.hidden_size else ffn,
+            activation_function=ACTIVATION_TO_HF[config.activation], layer_norm_epsilon=config.layernorm_epsilon,
+            resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
+            initializer_range=config.init_method_std, bos_token_id=begin, eos_token_id=end_of_text_id,
+            architectures=[architecture.name], tie_word_embeddings=True, dtype=str(dtype).removeprefix("torch."))
+    return _llama_family_config(config, dtype, architecture, begin, end_of_text_id)
+
+
+def _llama_family_config(config: ModelConfig, dtype: torch.dtype, architecture: Architecture, begin: int | None,
+                         end: int | None):
+    from transformers import AutoConfig
+
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    rope.pop("type", None)  # the legacy spelling of rope_type
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+        initializer_range=config.init_method_std, attention_dropout=config.attention_dropout,
+        tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope, bos_token_id=begin,
+        eos_token_id=end, architectures=[architecture.name], dtype=str(dtype).removeprefix("torch."))
+    if architecture.model_type == "llama":
+        fields.update(attention_bias=config.bias == "all", mlp_bias=config.bias == "all")
+    elif architecture.model_type == "mistral":
+        fields.update(sliding_window=None)
+    else:  # qwen2: the q, k, v biases are always there; no sliding window
+        fields.update(use_sliding_window=False, sliding_window=None)
+    return AutoConfig.for_model(architecture.model_type, **fields)
 
 
 def gpt2_tokenizer(model_max_length: int):
@@ -468,15 +705,15 @@ def gpt2_tokenizer(model_max_length: int):
     return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
-def write_tokenizer(directory: Path, config: ModelConfig, tokenizer_path: str | Path | None = None) -> int | None:
-    """Tokenizer files that AutoTokenizer loads offline; returns the end-of-text id (None if it has none).
+def write_tokenizer(directory: Path, config: ModelConfig, tokenizer_path: str | Path | None = None):
+    """Tokenizer files that AutoTokenizer loads offline; returns the tokenizer (its eos/bos ids go in config.json).
 
     Default: the shipped GPT-2 BPE (this project's default tokenizer), which only fits a 50,257-token vocabulary.
     """
     if tokenizer_path is not None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), trust_remote_code=False, local_files_only=True)
         tokenizer.model_max_length = config.max_position_embeddings
     elif config.vocab_size == GPT2_VOCAB_SIZE:
         tokenizer = gpt2_tokenizer(config.max_position_embeddings)
@@ -487,7 +724,7 @@ def write_tokenizer(directory: Path, config: ModelConfig, tokenizer_path: str | 
         raise ValueError(f"the tokenizer {tokenizer_path} has {len(tokenizer)} tokens, more than the model's "
                          f"vocabulary {config.vocab_size}: it is not the tokenizer this model was trained with")
     tokenizer.save_pretrained(str(directory))
-    return tokenizer.eos_token_id
+    return tokenizer
 
 
 def _staging_directory(output: Path) -> Path:
@@ -514,30 +751,51 @@ def _progress(items: Iterable, description: str, enabled: bool):
     return tqdm(items, desc=description, unit="layer", total=len(items), disable=not enabled, file=sys.stderr)
 
 
+def _export_architecture(checkpoint: Checkpoint, name: str | None) -> Architecture:
+    """``name``, else the architecture an imported checkpoint came from, else the first that fits the shape."""
+    if name is None:
+        record = read_import_record(checkpoint.directory)
+        imported = record.get("architecture") if record else None
+        if imported in ARCHITECTURES and ARCHITECTURES[imported] in compatible_architectures(checkpoint.model):
+            name = imported
+    return resolve_architecture(checkpoint.model, name)
+
+
 def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str | None = None,
                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
-                 tokenizer: str | Path | None = None, progress: bool = True) -> Path:
-    """A checkpoint of this project (any TP x PP) -> a GPT2LMHeadModel directory: config.json,
-    generation_config.json, model.safetensors (sharded above ``max_shard_size``, with an index) and tokenizer files.
+                 tokenizer: str | Path | None = None, architecture: str | None = None,
+                 progress: bool = True) -> Path:
+    """A checkpoint of this project (any TP x PP) -> an HF model directory (``architecture``, by default the one
+    it was imported from or the first that fits its shape): config.json, generation_config.json, model.safetensors
+    (sharded above ``max_shard_size``, with an index) and tokenizer files (``tokenizer``, else the ones an import
+    carried in, else GPT-2's).
 
     One layer is read, merged and written at a time. The directory is written beside ``output_dir`` and renamed
     into place when complete. ``dtype`` defaults to the training precision.
     """
     checkpoint = open_checkpoint(checkpoint_dir, tag)
     config, output = checkpoint.model, Path(output_dir)
+    target = _export_architecture(checkpoint, architecture)
     dtype = dtype or PRECISION_DTYPES[config.precision]
     max_bytes = parse_size(max_shard_size)
+    carried = checkpoint.directory / TOKENIZER_DIRECTORY
+    if tokenizer is None and carried.is_dir():
+        tokenizer = carried
     staging = _staging_directory(output)
     try:
-        end_of_text = write_tokenizer(staging, config, tokenizer)
-        hf = hf_config(config, dtype, end_of_text)
+        text = write_tokenizer(staging, config, tokenizer)
+        hf = hf_config(config, dtype, text.eos_token_id, target, text.bos_token_id)
         hf.save_pretrained(str(staging))
         _generation_config(hf).save_pretrained(str(staging))
-        writer = SafetensorsShardWriter(staging, hf_shapes(config), dtype, max_bytes)
-        for layer in _progress(layer_maps(config), f"export {checkpoint.tag}", progress):
+        maps = layer_maps(config, target)
+        writer = SafetensorsShardWriter(staging, hf_shapes(config, target), dtype, max_bytes)
+        for layer in _progress(maps, f"export {checkpoint.tag}", progress):
             shards = read_layer(checkpoint, layer)
             for tensor in layer.tensors:
-                writer.write(tensor.hf, merge_to_hf(tensor, [shard.pop(tensor.ours) for shard in shards], config))
+                merged = merge_to_hf(tensor, [shard.pop(tensor.ours) for shard in shards], config)
+                values = (merged,) if torch.is_tensor(merged) else merged
+                for name, value in zip(tensor.hf_names, values, strict=True):
+                    writer.write(name, value)
             del shards
         writer.close()
         _publish(staging, output)
@@ -555,8 +813,27 @@ def _generation_config(config):
 
 # -- import ----------------------------------------------------------------------------------------------------------
 
+def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
+    """From config.json's ``architectures`` (or, without it, ``model_type``)."""
+    architectures = raw.get("architectures") or []
+    by_type = [a for a in ARCHITECTURES.values() if a.model_type == raw.get("model_type")]
+    if len(architectures) == 1 and architectures[0] in ARCHITECTURES:
+        architecture = ARCHITECTURES[architectures[0]]
+    elif not architectures and len(by_type) == 1:
+        architecture = by_type[0]
+    else:
+        raise ValueError(f"{path}: architecture {architectures or raw.get('model_type')!r} is not supported: only "
+                         f"{', '.join(f'{a.name} (model_type {a.model_type})' for a in ARCHITECTURES.values())} "
+                         f"convert to this project's GPT")
+    if raw.get("model_type") not in (None, architecture.model_type):
+        raise ValueError(f"{path}: architectures says {architecture.name} but model_type is {raw['model_type']!r}, "
+                         f"not {architecture.model_type!r}")
+    return architecture
+
+
 def read_hf_config(hf_dir: str | Path):
-    """The GPT2Config of an HF model directory; ValueError for any other architecture or an unsupported option."""
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) of an HF model directory;
+    ValueError for any other architecture or an option this project's GPT does not have, naming the key."""
     path = Path(hf_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -564,13 +841,18 @@ def read_hf_config(hf_dir: str | Path):
         raise ValueError(f"{path} does not exist: --model must be a Hugging Face model directory") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
-    architectures = raw.get("architectures") or []
-    if architectures != [HF_ARCHITECTURE] or raw.get("model_type") != "gpt2":
-        raise ValueError(f"{path}: architecture {architectures or raw.get('model_type')!r} is not supported: only "
-                         f"{HF_ARCHITECTURE} (model_type gpt2) converts to this project's GPT")
-    from transformers import GPT2Config
+    architecture = _architecture_of_config(path, raw)
+    from transformers import CONFIG_MAPPING
 
-    config = GPT2Config.from_dict(raw)  # GPT-2's defaults for keys an older config.json lacks
+    config = CONFIG_MAPPING[architecture.model_type].from_dict(raw)  # its defaults for keys an older file lacks
+    if architecture.model_type == "gpt2":
+        _check_gpt2_options(path, config)
+    else:
+        _check_llama_family_options(path, config, architecture)
+    return config
+
+
+def _check_gpt2_options(path: Path, config) -> None:
     unsupported = {"activation_function": config.activation_function not in ACTIVATION_FROM_HF,
                    "scale_attn_weights": not config.scale_attn_weights,
                    "scale_attn_by_inverse_layer_idx": config.scale_attn_by_inverse_layer_idx,
@@ -581,36 +863,108 @@ def read_hf_config(hf_dir: str | Path):
             raise ValueError(f"{path}: {key} = {getattr(config, key)!r} has no equivalent in this project's GPT "
                              f"(activations {sorted(ACTIVATION_FROM_HF)}, attention scaled by 1/sqrt(d), no cross "
                              "attention, output head tied to the embedding)")
-    return config
+
+
+def _hf_rope(config) -> dict[str, Any]:
+    """transformers >= 5 keeps rope_theta and rope_scaling together in rope_parameters; older ones apart."""
+    rope = getattr(config, "rope_parameters", None)
+    if rope is None:
+        rope = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    return dict(rope)
+
+
+def _sliding_window(config) -> int | None:
+    """The window that config attends within, None when it attends to the whole context."""
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _check_llama_family_options(path: Path, config, architecture: Architecture) -> None:
+    window = _sliding_window(config)
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"{path}: sliding_window = {window} is shorter than max_position_embeddings "
+                         f"({config.max_position_embeddings}): this project's attention sees the whole context, so a "
+                         f"sliding-window model (as {architecture.name} configs of Mistral 7B v0.1/v0.2 are) does not "
+                         f"convert; only sliding_window null, or at least max_position_embeddings, does")
+    kind = _hf_rope(config).get("rope_type", _hf_rope(config).get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported: only \"llama3\" scaling (Llama "
+                         f"3.1+) or none")
+    missing = [key for key in LLAMA3_SCALING_KEYS if kind == "llama3" and key not in _hf_rope(config)]
+    head_dim = getattr(config, "head_dim", None)
+    attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
+    unsupported = {
+        "rope_scaling": (bool(missing), f"lacks {missing}"),
+        "hidden_act": (config.hidden_act != "silu", "only silu (SwiGLU) exists here"),
+        "head_dim": (head_dim not in (None, config.hidden_size // config.num_attention_heads),
+                     f"must be hidden_size / num_attention_heads = {config.hidden_size // config.num_attention_heads}"),
+        "attention_bias": (attention_bias != mlp_bias, f"with mlp_bias = {mlp_bias}: biases here are on every "
+                                                       f"linear layer, on none, or on q, k and v only (Qwen2)")}
+    for key, (bad, why) in unsupported.items():
+        if bad:
+            raise ValueError(f"{path}: {key} = {getattr(config, key, None)!r} has no equivalent in this project's "
+                             f"GPT: {why}")
+
+
+def architecture_of(config) -> Architecture:
+    """The Architecture of a transformers config read by read_hf_config."""
+    names = getattr(config, "architectures", None) or []
+    if len(names) == 1 and names[0] in ARCHITECTURES:
+        return ARCHITECTURES[names[0]]
+    return next(a for a in ARCHITECTURES.values() if a.model_type == config.model_type)
 
 
 def model_fields_from_hf(config) -> dict[str, Any]:
-    """The ModelConfig fields an HF GPT2Config fixes."""
-    return {"num_layers": config.n_layer, "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
-            "max_position_embeddings": config.n_positions, "vocab_size": config.vocab_size,
-            "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
-            "activation": ACTIVATION_FROM_HF[config.activation_function]}
+    """The ModelConfig fields an HF config fixes."""
+    if config.model_type == "gpt2":
+        return {"num_layers": config.n_layer, "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
+                "max_position_embeddings": config.n_positions, "vocab_size": config.vocab_size,
+                "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
+                "activation": ACTIVATION_FROM_HF[config.activation_function], "position_embedding": "learned",
+                "norm": "layernorm", "mlp": "gelu", "num_key_value_heads": config.n_head, "tie_word_embeddings": True,
+                "bias": "all"}
+    rope = _hf_rope(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in LLAMA3_SCALING_KEYS}}
+    if config.model_type == "qwen2":
+        bias = "qkv"
+    else:
+        bias = "all" if getattr(config, "attention_bias", False) else "none"
+    return {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+            "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
+            "ffn_hidden_size": config.intermediate_size, "layernorm_epsilon": config.rms_norm_eps,
+            "position_embedding": "rope", "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
+            "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias}
 
 
 def check_model_matches(model: ModelConfig, hf, config_source: str, hf_source: str) -> None:
     """ValueError naming every ModelConfig field that differs from the HF model's."""
     wanted = model_fields_from_hf(hf)
+    different = {field: value for field, value in wanted.items() if getattr(model, field) != value}
+    if not different:
+        return
+    fixes = " ".join(f"--set model.{field}={json.dumps(value)}" for field, value in different.items())
+    architecture, fits = architecture_of(hf), compatible_architectures(model)
+    if architecture not in fits:
+        target = f"only {' / '.join(a.name for a in fits)}" if fits else "no Hugging Face architecture"
+        raise ValueError(f"{hf_source} is a {architecture.name}, but the model of {config_source} fits {target}: "
+                         f"set the model block to the HF model's shape (a preset of its family, or {fixes})")
     wrong = [f"model.{field} is {getattr(model, field)!r} in {config_source}, the HF model has {value!r}"
-             for field, value in wanted.items() if getattr(model, field) != value]
-    if wrong:
-        fixes = " ".join(f"--set model.{field}={json.dumps(value)}" for field, value in wanted.items()
-                         if getattr(model, field) != value)
-        raise ValueError(f"the run config's model does not match {hf_source}:\n  " + "\n  ".join(wrong) +
-                         f"\nset these fields in the model block (or pass {fixes})")
+             for field, value in different.items()]
+    raise ValueError(f"the run config's model does not match {hf_source}:\n  " + "\n  ".join(wrong) +
+                     f"\nset these fields in the model block (or pass {fixes})")
 
 
 class HFWeights:
     """The tensors of an HF model directory's safetensors file(s), read one at a time (never pickle)."""
 
-    def __init__(self, hf_dir: str | Path) -> None:
+    def __init__(self, hf_dir: str | Path, architecture: Architecture = ARCHITECTURES[HF_ARCHITECTURE]) -> None:
         from safetensors import safe_open
 
-        self.directory = Path(hf_dir)
+        self.directory, self.architecture = Path(hf_dir), architecture
         index, single = self.directory / "model.safetensors.index.json", self.directory / "model.safetensors"
         if index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -623,15 +977,17 @@ class HFWeights:
             raise ValueError(f"{self.directory} has no model.safetensors or model.safetensors.index.json")
         self._stack = contextlib.ExitStack()
         self.location: dict[str, tuple[Any, str, str]] = {}
+        prefix = architecture.base_prefix
         for file in files:
             handle = self._stack.enter_context(safe_open(str(self.directory / file), framework="pt"))
             for key in handle.keys():
-                canonical = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+                canonical = key if key.startswith((prefix, "lm_head.")) else prefix + key
                 self.location[canonical] = (handle, key, file)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.location:
-            raise ValueError(f"{self.directory}: the weights have no {name}: not a complete GPT2LMHeadModel")
+            raise ValueError(f"{self.directory}: the weights have no {name}: not a complete "
+                             f"{self.architecture.name}")
         handle, key, file = self.location[name]
         tensor = handle.get_tensor(key)
         if tuple(tensor.shape) != shape:
@@ -649,32 +1005,38 @@ class HFWeights:
 def import_from_hf(hf_dir: str | Path, model: ModelConfig, parallel: ParallelConfig, output_dir: str | Path, *,
                    run_config: dict[str, Any] | None = None, config_source: str = "the run config",
                    start_tokens: int = 0, progress: bool = True) -> Path:
-    """A GPT2LMHeadModel directory -> a checkpoint of this project split ``parallel`` ways (TP x PP), which
-    ``engine.load_checkpoint(dir, load_module_only=True, load_optimizer_states=False,
+    """An HF model directory (one of ``ARCHITECTURES``) -> a checkpoint of this project split ``parallel`` ways
+    (TP x PP), which ``engine.load_checkpoint(dir, load_module_only=True, load_optimizer_states=False,
     load_lr_scheduler_states=False)`` loads (the optimizer starts fresh). ``model`` must match the HF model.
 
     Writes ``<output>/latest`` -> ``global_step0``, the layer files, one mp_rank file per stage x TP rank (client
-    state: run_config, hf_import) and ``<output>/hf_import.json`` (the start token count; see ``read_import_record``).
+    state: run_config, hf_import), ``<output>/hf_import.json`` (the start token count; see ``read_import_record``)
+    and ``<output>/hf_tokenizer/`` (the HF directory's tokenizer files, when it has any).
     """
     hf_dir, output = Path(hf_dir), Path(output_dir)
     hf = read_hf_config(hf_dir)
+    architecture = architecture_of(hf)
     check_model_matches(model, hf, config_source, str(hf_dir / "config.json"))
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     model.check_parallel(tp, pp)
     if start_tokens < 0:
         raise ValueError(f"--start-tokens must be >= 0, got {start_tokens}")
     record = {"tag": IMPORT_TAG, "start_tokens": int(start_tokens), "source": str(hf_dir.resolve()),
-              "architecture": HF_ARCHITECTURE, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+              "architecture": architecture.name, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     staging = _staging_directory(output)
     try:
         tag_directory = staging / IMPORT_TAG
         tag_directory.mkdir()
-        with HFWeights(hf_dir) as weights:
-            for layer in _progress(layer_maps(model), f"import {hf_dir.name}", progress):
+        with HFWeights(hf_dir, architecture) as weights:
+            for layer in _progress(layer_maps(model, architecture), f"import {hf_dir.name}", progress):
                 _write_layer(tag_directory, layer, weights, model, tp)
+        if run_config is None:  # the least that open_checkpoint (and so the export) needs
+            run_config = {"model": model.to_dict(), "parallelism": {"tensor_parallel_size": tp,
+                                                                    "pipeline_parallel_size": pp}}
         client_state = {"run_config": run_config, "hf_import": record}
         for model_parallel_rank in range(tp * pp):
             torch.save(_model_states(client_state, tp * pp), model_states_file(tag_directory, model_parallel_rank))
+        _copy_tokenizer(hf_dir, staging / TOKENIZER_DIRECTORY)
         (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         write_latest(staging, IMPORT_TAG)
         _publish(staging, output)
@@ -684,12 +1046,21 @@ def import_from_hf(hf_dir: str | Path, model: ModelConfig, parallel: ParallelCon
     return output
 
 
+def _copy_tokenizer(hf_dir: Path, destination: Path) -> None:
+    """The tokenizer files of an HF model directory, byte for byte (none: nothing is written)."""
+    files = [hf_dir / name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
+    if files:
+        destination.mkdir()
+        for file in files:
+            shutil.copy2(file, destination / file.name)
+
+
 def _write_layer(tag_directory: Path, layer: LayerMap, weights: HFWeights, model: ModelConfig, tp: int) -> None:
     dtype = PRECISION_DTYPES[model.precision]
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for tensor in layer.tensors:
-        value = weights.get(tensor.hf, hf_shape(tensor, model))
-        for rank, piece in enumerate(split_from_hf(tensor, value, model, tp)):
+        values = [weights.get(name, shape) for name, shape in hf_tensor_shapes(tensor, model).items()]
+        for rank, piece in enumerate(split_from_hf(tensor, values[0] if len(values) == 1 else values, model, tp)):
             shards[rank][tensor.ours] = piece.to(dtype)
     for rank, state in enumerate(shards):
         torch.save(state, layer_file(tag_directory, layer.index, rank))
@@ -706,7 +1077,7 @@ def _model_states(client_state: dict[str, Any], model_parallel_world_size: int) 
 def read_import_record(directory: str | Path) -> dict[str, Any] | None:
     """``<directory>/hf_import.json`` of an imported checkpoint, or None for any other directory.
 
-    {"tag": "global_step0", "start_tokens": int, "source": HF dir, "architecture": "GPT2LMHeadModel",
+    {"tag": "global_step0", "start_tokens": int, "source": HF dir, "architecture": an ARCHITECTURES name,
      "tensor_parallel_size": int, "pipeline_parallel_size": int}
     """
     path = Path(directory) / IMPORT_RECORD

@@ -82,10 +82,10 @@ def test_llama_tiny_preset_fits_the_cpu_splits():
         config.check_parallel(tensor_parallel_size, pipeline_parallel_size)
 
 
-def test_hugging_face_conversion_refuses_what_it_cannot_map_yet():
+def test_hugging_face_conversion_maps_the_presets_and_refuses_a_mixed_shape():
     from model.hf_conversion import layer_maps
 
-    with pytest.raises(ValueError, match=r"only the GPT-2 shape converts to and from Hugging Face so far; this model "
-                                         r"differs in model.position_embedding = 'rope', model.norm = 'rmsnorm'"):
-        layer_maps(preset("llama-tiny"))
-    assert len(layer_maps(preset("tiny"))) == 4 + 3  # blocks, embeddings, final norm
+    assert len(layer_maps(preset("tiny"))) == 4 + 3  # embeddings, blocks, final norm
+    assert len(layer_maps(preset("llama-tiny"))) == 4 + 4  # embedding, empty positions, blocks, norm, untied head
+    with pytest.raises(ValueError, match="is no Hugging Face architecture"):
+        layer_maps(preset("llama-tiny", norm="layernorm"))  # rope with LayerNorm: neither GPT-2 nor Llama

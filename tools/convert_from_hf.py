@@ -1,14 +1,20 @@
 #!/usr/bin/env python
-"""Import a Hugging Face GPT-2-architecture model (GPT2LMHeadModel, safetensors) as a checkpoint of this project.
+"""Import a Hugging Face model (safetensors) as a checkpoint of this project: GPT2LMHeadModel, LlamaForCausalLM,
+MistralForCausalLM or Qwen2ForCausalLM, detected from its config.json (``architectures``, else ``model_type``).
 
     python tools/convert_from_hf.py --model hf/gpt2 --ds_config ds_configs/125m.json --output ckpts/from_gpt2 \\
         --set model.activation=gelu_tanh --start-tokens 0
+    python tools/convert_from_hf.py --model hf/my-llama --ds_config ds_configs/llama-tiny-cpu.json \\
+        --output ckpts/from_my_llama
 
 The checkpoint is split at the TP x PP of the run config, whose model block must match the HF config (layers,
-hidden size, heads, positions, vocabulary, ffn, LayerNorm eps, activation; a mismatch is named with the --set that
-fixes it). It holds weights only: training continues from it with a fresh optimizer
-(engine.load_checkpoint(OUTPUT, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)).
-OUTPUT/hf_import.json records the token count the schedules start from (--start-tokens).
+hidden size, heads and key/value heads, positions, vocabulary, ffn, norm eps, activation, RoPE theta and llama3
+scaling, tied head, biases; a mismatch is named with the --set that fixes it). Options this project's GPT does not
+have are refused by name (a sliding window shorter than the context, a rope_scaling other than llama3, ...). It holds
+weights only: training continues from it with a fresh optimizer (engine.load_checkpoint(OUTPUT,
+load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)). OUTPUT/hf_import.json records
+the token count the schedules start from (--start-tokens) and the architecture; OUTPUT/hf_tokenizer/ holds the HF
+directory's tokenizer files, which tools/convert_to_hf.py ships again.
 """
 
 from __future__ import annotations
