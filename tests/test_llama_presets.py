@@ -89,3 +89,29 @@ def test_hugging_face_conversion_maps_the_presets_and_refuses_a_mixed_shape():
     assert len(layer_maps(preset("llama-tiny"))) == 4 + 4  # embedding, empty positions, blocks, norm, untied head
     with pytest.raises(ValueError, match="is no Hugging Face architecture"):
         layer_maps(preset("llama-tiny", norm="layernorm"))  # rope with LayerNorm: neither GPT-2 nor Llama
+
+
+def test_planner_plans_llama3_70b_on_64_h100_nodes():
+    """tools/plan.py on a Llama shape: the FLOPs are the real block's, the untied head has no tied-embedding
+    all-reduce, and the plan fits (TP 8 x PP 8 x DP 8, full recomputation, micro-batch 1)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from training.config import load_run_config
+    from training.metrics import flops_per_iteration
+
+    sets = ['model.preset="llama3-70b"', "parallelism.tensor_parallel_size=8", "parallelism.pipeline_parallel_size=8",
+            "train_micro_batch_size_per_gpu=1", "train_batch_size=1024", "schedule.batch={}",
+            "model.activation_checkpointing=true"]
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "tools/plan.py", "--ds_config", "ds_configs/1.3b.json", "--nodes", "64", "--gpu",
+               "h100-80gb", "--json"]
+    for item in sets:
+        command += ["--set", item]
+    plan = json.loads(subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout)["plans"][0]
+    assert (plan["gpus"], plan["data_parallel_size"], plan["errors"]) == (512, 8, [])
+    config = load_run_config(root / "ds_configs/1.3b.json", sets)
+    assert plan["full_batch"]["flops"] == pytest.approx(flops_per_iteration(config.model, 1024, 8), rel=1e-12)
+    assert plan["full_batch"]["tied_embedding_reduce"] == 0.0

@@ -547,7 +547,7 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
         full_buffer_passes = layout.grad_bytes * n  # zero the .grad
     adam = (28 + layout.weight_bytes) * n / d
     return AfterPipeline(
-        tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, 2 if pp > 1 else 1,
+        tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, 2 if pp > 1 and model.tie_word_embeddings else 1,
                                                       rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,
         optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
