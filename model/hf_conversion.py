@@ -59,8 +59,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from model.checkpoint_files import layer_file, model_states_file, read_latest, write_latest
 from model.config import GPT2_VOCAB_SIZE, LLAMA3_SCALING_KEYS, ModelConfig, ParallelConfig, preset
-from training.checkpoint import read_latest, write_latest
 
 HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
 IMPORT_TAG = "global_step0"
@@ -406,15 +406,6 @@ def split_from_hf(tensor: TensorMap, value: torch.Tensor | Sequence[torch.Tensor
 
 
 # -- reading a checkpoint of this project ----------------------------------------------------------------------------
-
-def layer_file(tag_directory: Path, layer_index: int, tensor_parallel_rank: int) -> Path:
-    """DeepSpeed's PipelineModule.ckpt_layer_path with axes (pipe, data, model): only the model (TP) rank is named."""
-    return Path(tag_directory) / f"layer_{layer_index:02d}-model_{tensor_parallel_rank:02d}-model_states.pt"
-
-
-def model_states_file(tag_directory: Path, model_parallel_rank: int) -> Path:
-    return Path(tag_directory) / f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
-
 
 def _load(path: Path) -> Any:
     """Tensors and plain containers only (no pickled code); memory-mapped, so only what is used is read."""

@@ -110,3 +110,12 @@ def test_numpy_never_unpickles_and_no_remote_code():
         text = path.read_text()
         assert "trust_remote_code=True" not in text, path
         assert "import pickle" not in text and "pickle.load" not in text, path
+
+
+def test_model_imports_nothing_from_training():
+    """The model (and the checkpoint file layout it shares, model/checkpoint_files.py) stands below training."""
+    for path in (ROOT / "model").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            assert not any(name == "training" or name.startswith("training.") for name in names), path

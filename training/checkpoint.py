@@ -31,47 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model.checkpoint_files import LATEST, RECORD, UNIVERSAL, rank_state_file, read_latest, tag_for_step, write_latest
 from model.random import RNGStream
 
-LATEST = "latest"
-RECORD = "checkpoint.json"
-UNIVERSAL = "universal"
 _TAG = re.compile(r"global_step(\d+)$")
-
-
-def tag_for_step(step: int) -> str:
-    return f"global_step{step}"
-
-
-def read_latest(directory: str | Path) -> str | None:
-    path = Path(directory) / LATEST
-    if not path.exists():
-        return None
-    tag = path.read_text().strip()
-    if not tag or not (Path(directory) / tag).is_dir():
-        raise ValueError(f"{path} names checkpoint {tag!r}, which does not exist in {directory}: restore that "
-                         f"directory or point {LATEST} at a complete checkpoint")
-    return tag
-
-
-def write_latest(directory: str | Path, tag: str) -> None:
-    """Atomically point ``latest`` at ``tag``."""
-    directory = Path(directory)
-    temporary = directory / f".{LATEST}.tmp"
-    with open(temporary, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, directory / LATEST)
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_writable(directory: str | Path) -> None:
@@ -347,9 +310,6 @@ class CheckpointWriteError(RuntimeError):
     """Writing a checkpoint failed; ``latest`` still names the previous complete one."""
 
 
-def _rank_state_file(directory: Path, tag: str, rank: int) -> Path:
-    return directory / tag / f"rank_state_{rank}.pt"
-
 
 def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any],
                     rank_state: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None,
@@ -365,7 +325,7 @@ def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state:
     try:
         engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
         torch.save({"rng": rng_state(engine.module.tensor_parallel_rng), **(rank_state or {})},
-                   _rank_state_file(directory, tag, dist.get_rank()))
+                   rank_state_file(directory / tag, dist.get_rank()))
         if before_commit:
             before_commit()
         dist.barrier()
@@ -422,7 +382,7 @@ def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | Non
                                                      load_lr_scheduler_states=False)
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {Path(directory) / tag}")
-    rank_file = _rank_state_file(Path(directory), tag, dist.get_rank())
+    rank_file = rank_state_file(Path(directory) / tag, dist.get_rank())
     if not rank_file.exists():
         raise ValueError(f"{rank_file} is missing: the checkpoint is incomplete (written by a different number of "
                          f"processes without a layout record); restore the file")
