@@ -1,34 +1,65 @@
 """A Llama-shaped model trains through train.py and the deepspeed launcher like the GPT: ds_configs/llama-tiny-cpu.json
 (RoPE, RMSNorm, SwiGLU, 8 query heads in 2 KV groups, untied head) at TP 2 x PP 2 on 4 CPU processes, the loss
-falls, and a stop at step 4 resumed to step 8 is bitwise the uninterrupted run."""
+falls, a stop at step 4 resumed to step 8 is bitwise the uninterrupted run, a resume at another layout continues it
+(to 1e-5: fp32, another summation order), and a run can start from an imported Hugging Face Llama."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
+import torch
 
 from tests.launch import final_weights, run_training, same_weights, trajectory
+from training.metrics_log import read_metrics
 
 CONFIG = "ds_configs/llama-tiny-cpu.json"
 EXTRA = ["training.save_interval=4"]
 
 
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    save = tmp_path_factory.mktemp("straight") / "checkpoints"
+    result = run_training(corpus, save, max_steps=8, extra=EXTRA, ds_config=CONFIG)
+    return save, result.stdout + result.stderr
+
+
+def resumable_copy(straight_save, destination):
+    resumed = destination / "checkpoints"
+    shutil.copytree(straight_save, resumed,
+                    ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", "global_step8"))
+    (resumed / "latest").write_text("global_step4")
+    return resumed
+
+
 @pytest.mark.distributed
-def test_llama_tiny_trains_and_resumes_exactly(corpus, tmp_path):
-    straight = tmp_path / "straight" / "checkpoints"
-    output = run_training(corpus, straight, max_steps=8, extra=EXTRA, ds_config=CONFIG)
-    assert "TP 1/2 PP 1/2 DP 0/1" in output.stdout + output.stderr
-    steps = trajectory(straight)
+def test_llama_tiny_trains_and_resumes_exactly(corpus, straight, tmp_path):
+    save, output = straight
+    assert "TP 1/2 PP 1/2 DP 0/1" in output
+    steps = trajectory(save)
     assert [step for step, *_ in steps] == list(range(1, 9))
     assert steps[-1][1] < steps[0][1] - 0.5  # the loss falls (about 10.9 at the start: ln 50257)
 
-    resumed = tmp_path / "resumed" / "checkpoints"
-    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", "global_step8"))
-    (resumed / "latest").write_text("global_step4")
+    resumed = resumable_copy(save, tmp_path)
     run_training(corpus, resumed, max_steps=8, extra=EXTRA, ds_config=CONFIG)
     assert trajectory(resumed) == steps[4:]  # losses, learning rates, batches, tokens: bitwise
-    assert same_weights(final_weights(resumed), final_weights(straight))
+    assert same_weights(final_weights(resumed), final_weights(save))
+
+
+@pytest.mark.distributed
+def test_llama_tiny_resumes_at_another_layout(corpus, straight, tmp_path):
+    """Through DeepSpeed's universal checkpoint, strict: the fused gate/up matrix is merged as two sub-matrices, the
+    grouped QKV as whole KV groups, the untied head as a vocabulary tensor. TP 2 x PP 2 -> TP 1 x PP 2 x DP 2."""
+    save, _ = straight
+    resumed = resumable_copy(save, tmp_path)
+    result = run_training(corpus, resumed, max_steps=8, extra=[*EXTRA, "parallelism.tensor_parallel_size=1"],
+                          ds_config=CONFIG)
+    assert "resumed global_step4 written at TP 2 x PP 2 x DP 1; now TP 1 x PP 2 x DP 2" in result.stdout + result.stderr
+    ours, theirs = read_metrics(resumed / "metrics.jsonl"), read_metrics(save / "metrics.jsonl")[4:]
+    for key in ("lr", "global_batch", "consumed_samples"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=0, msg=key)
 
 
 @pytest.mark.distributed
@@ -39,7 +70,6 @@ def test_llama_tiny_trains_from_an_imported_hugging_face_model(corpus, tmp_path)
     import subprocess
     import sys
 
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.launch import ROOT
