@@ -334,33 +334,9 @@ def _train_llama_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int
 
 
 def train_llama_reference() -> dict:
-    from tests.test_model_parallel import (
-        BETAS,
-        CLIP,
-        EPS,
-        LR,
-        SEED,
-        STEPS,
-        WEIGHT_DECAY,
-        clip_by_global_norm,
-        micro_batches,
-    )
-    from training.engine import weight_decay_groups
+    from tests.test_model_parallel import train_reference
 
-    torch.manual_seed(SEED)
-    config = llama_model_config()
-    model = GPT(config, seed=SEED)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        batches = list(micro_batches(step, config.seq_length, 0, 1))
-        total = sum(model.loss(*inputs, *labels) for inputs, labels in batches) / len(batches)
-        total.backward()
-        norms.append(clip_by_global_norm(model, CLIP))
-        optimizer.step()
-        losses.append(total.item())
-    return {"losses": losses, "norms": norms}
+    return train_reference(llama_model_config())
 
 
 @pytest.fixture(scope="module")

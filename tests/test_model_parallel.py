@@ -92,10 +92,10 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float) -> float:
     return norm
 
 
-def train_reference() -> dict:
-    """Plain PyTorch, one process, the unsplit model: the ground truth."""
+def train_reference(config=None) -> dict:
+    """Plain PyTorch, one process, the unsplit model (model_config() unless another is given): the ground truth."""
     torch.manual_seed(SEED)
-    config = model_config()
+    config = config or model_config()
     model = GPT(config, seed=SEED)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
