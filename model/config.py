@@ -18,6 +18,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 BIASES = ("all", "none", "qkv")
+RECOMPUTE = ("none", "selective", "full")
 ROPE_SCALING_TYPES = ("llama3",)
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_VOCAB_SIZE = 50257
@@ -63,8 +64,13 @@ class ModelConfig:
     """Divide the init std of each block's two output projections by sqrt(2 x num_layers) (Megatron's rule)."""
     activation: str = "gelu"
     """MLP activation: "gelu" (exact, Megatron's) or "gelu_tanh" (GPT-2's tanh approximation, for imported models)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in the backward pass instead of storing its activations."""
+    recompute: str = "none"
+    """What the backward pass recomputes instead of storing (model/gpt.py, TransformerLayer): "none" (store every
+    activation), "selective" (recompute the attention core, softmax(QK^T)V with its dropout, from the stored q, k,
+    v: Korthikanti et al. 2022) or "full" (store each block's input only and rerun the whole block; MT-NLG's)."""
+    recompute_num_layers: int | None = None
+    """With recompute "selective" or "full": how many blocks of each pipeline stage recompute, its first ones (the
+    others store everything); None: all of them."""
     precision: str = "fp32"
     """Training precision: "fp32", "bf16" or "fp16". Must agree with the DeepSpeed bf16/fp16 sections."""
     position_embedding: str = "learned"
@@ -114,6 +120,14 @@ class ModelConfig:
         _require(self.init_method_std > 0, f"model.init_method_std must be positive, got {self.init_method_std}")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         _require(self.precision in PRECISIONS, f"model.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _require(self.recompute in RECOMPUTE, f"model.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.recompute_num_layers is not None:
+            n = self.recompute_num_layers
+            _require(isinstance(n, int) and not isinstance(n, bool) and n > 0,
+                     f"model.recompute_num_layers must be a positive integer (or null for every block), got {n!r}")
+            _require(self.recompute != "none",
+                     f"model.recompute_num_layers is {n} but model.recompute is \"none\": set recompute to "
+                     f"\"selective\" or \"full\", or recompute_num_layers to null")
         self._check_architecture()
 
     def _check_architecture(self) -> None:
@@ -196,8 +210,17 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-        """Raise ValueError if this model cannot be split TP x PP ways."""
+    def recompute_at(self, layer_number: int, pipeline_parallel_size: int) -> str:
+        """The recompute mode of block ``layer_number`` (1 .. L): the config's for the first recompute_num_layers
+        blocks of its pipeline stage, "none" for the others."""
+        position_in_stage = (layer_number - 1) % (self.num_layers // pipeline_parallel_size)
+        if self.recompute_num_layers is not None and position_in_stage >= self.recompute_num_layers:
+            return "none"
+        return self.recompute
+
+    def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int,
+                       sequence_parallel: bool = False) -> None:
+        """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too)."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         _require(isinstance(tp, int) and tp > 0, f"parallelism.tensor_parallel_size must be a positive integer, got {tp!r}")
         _require(isinstance(pp, int) and pp > 0,
@@ -216,6 +239,16 @@ class ModelConfig:
                  f"model.num_layers ({self.num_layers}) cannot be split evenly over "
                  f"parallelism.pipeline_parallel_size ({pp}) stages: use a stage count that divides the layers "
                  f"(divisors: {[d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]})")
+        if sequence_parallel:
+            _require(self.seq_length % tp == 0,
+                     f"model.seq_length ({self.seq_length}) is not divisible by parallelism.tensor_parallel_size "
+                     f"({tp}): with parallelism.sequence_parallel each TP rank holds seq_length / TP positions; use a "
+                     f"sequence length that divides, or turn sequence_parallel off")
+        per_stage = self.num_layers // pp
+        if self.recompute_num_layers is not None:
+            _require(self.recompute_num_layers <= per_stage,
+                     f"model.recompute_num_layers ({self.recompute_num_layers}) is more than the {per_stage} blocks of "
+                     f"each of the {pp} pipeline stages: use at most {per_stage}, or null for every block")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -231,12 +264,19 @@ class ParallelConfig:
     """Pipeline stages; each holds num_layers / PP consecutive transformer blocks."""
     partition_method: str = field(default="type:TransformerLayer")
     """DeepSpeed partition method: balance the transformer blocks over the stages."""
+    sequence_parallel: bool = False
+    """Split the sequence over the TP ranks outside the tensor-parallel matmuls (norms, dropouts, residual adds, the
+    tensor sent between stages): each rank holds seq_length / TP positions there (Korthikanti et al. 2022). Entering
+    a column-parallel layer all-gathers the sequence, leaving a row-parallel one reduce-scatters it: the same bytes
+    as the all-reduce it replaces. No effect at TP 1."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0,
                      f"parallelism.{name} must be a positive integer, got {value!r}")
+        _require(isinstance(self.sequence_parallel, bool),
+                 f"parallelism.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -262,7 +302,7 @@ _LLAMA: dict[str, Any] = dict(position_embedding="rope", norm="rmsnorm", mlp="sw
 PRESETS: dict[str, dict[str, Any]] = {
     # Megatron-Turing NLG 530B (Smith et al. 2022): 105 layers, h 20480, 128 heads, seq 2048.
     "530b": dict(num_layers=105, hidden_size=20480, num_attention_heads=128, seq_length=2048,
-                 activation_checkpointing=True, precision="bf16"),
+                 recompute="full", precision="bf16"),
     # GPT-3 Small and XL shapes (Brown et al. 2020, table 2.1).
     "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=2048, precision="bf16"),
     "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, precision="bf16"),
@@ -279,7 +319,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Meta-Llama-3-70B: 80 layers, h 8192, 64 heads, 8 KV heads, ffn 28672, vocab 128256, theta 5e5, rms eps 1e-5.
     "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                        ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
-                       activation_checkpointing=True),
+                       recompute="full"),
     # Mistral-7B-v0.1: 32 layers, h 4096, 32 heads, 8 KV heads, ffn 14336, vocab 32000, theta 1e4, rms eps 1e-5,
     # max positions 32768. Its 4096-token sliding window is not implemented: at seq_length <= 4096 it changes nothing.
     "mistral-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -294,6 +334,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                        ffn_hidden_size=256, seq_length=64, precision="fp32"),
 }
+
+
+def upgrade_model_fields(values: dict[str, Any], where: str = "model") -> dict[str, Any]:
+    """A "model" block with the fields of earlier versions renamed (run configs and the run config saved in older
+    checkpoints): activation_checkpointing true/false is recompute "full"/"none"."""
+    if "activation_checkpointing" not in values:
+        return values
+    values = dict(values)
+    legacy = values.pop("activation_checkpointing")
+    _require(isinstance(legacy, bool), f"{where}.activation_checkpointing must be true or false, got {legacy!r} "
+                                       f"(it is now {where}.recompute: \"full\" or \"none\")")
+    implied = "full" if legacy else "none"
+    _require(values.get("recompute", implied) == implied,
+             f"{where}.activation_checkpointing ({str(legacy).lower()}) and {where}.recompute "
+             f"({values.get('recompute')!r}) disagree: remove activation_checkpointing, which recompute replaces")
+    values["recompute"] = implied
+    return values
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

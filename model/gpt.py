@@ -345,7 +345,7 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
         topology=ctx.topology,
         loss_fn=partial(gpt_loss, ctx),
         partition_method=partition_method,
-        activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
+        activation_checkpoint_interval=1 if config.recompute == "full" else 0,
         activation_checkpoint_func=partial(checkpoint, rng),
         checkpointable_layers=["TransformerLayer"],
     )

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import torch
 
 from model.checkpoint_files import layer_file, model_states_file, read_latest, write_latest
-from model.config import GPT2_VOCAB_SIZE, LLAMA3_SCALING_KEYS, ModelConfig, ParallelConfig, preset
+from model.config import GPT2_VOCAB_SIZE, LLAMA3_SCALING_KEYS, ModelConfig, ParallelConfig, preset, upgrade_model_fields
 
 HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
 IMPORT_TAG = "global_step0"
@@ -420,7 +420,7 @@ def _load(path: Path) -> Any:
 
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     """A run config's "model" block (a preset name plus overrides, or every field) -> ModelConfig."""
-    values = dict(values)
+    values = upgrade_model_fields(values)
     name = values.pop("preset", None)
     return preset(name, **values) if name else ModelConfig(**values)
 

@@ -111,7 +111,7 @@ def _train_save_resume(directory: str) -> dict:
     from training.checkpoint import load_checkpoint, save_checkpoint
     from training.engine import build_engine
 
-    config = model_config(hidden_dropout=DROPOUT, attention_dropout=DROPOUT, activation_checkpointing=True)
+    config = model_config(hidden_dropout=DROPOUT, attention_dropout=DROPOUT, recompute="full")
     parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     engine, ctx = build_engine(config, parallel, deepspeed_config("fp32"), SEED)
     stream = engine.module.tensor_parallel_rng

@@ -322,7 +322,7 @@ def _train_llama_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int
     from tests.test_model_parallel import SEED, STEPS, deepspeed_config, micro_batches
     from training.engine import build_engine
 
-    config = llama_model_config(activation_checkpointing=checkpointing)
+    config = llama_model_config(recompute="full" if checkpointing else "none")
     parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     engine, ctx = build_engine(config, parallel, deepspeed_config("fp32"), SEED)
     losses, norms = [], []

@@ -104,7 +104,7 @@ def test_planner_plans_llama3_70b_on_64_h100_nodes():
 
     sets = ['model.preset="llama3-70b"', "parallelism.tensor_parallel_size=8", "parallelism.pipeline_parallel_size=8",
             "train_micro_batch_size_per_gpu=1", "train_batch_size=1024", "schedule.batch={}",
-            "model.activation_checkpointing=true"]
+            "model.recompute=\"full\""]
     root = Path(__file__).resolve().parents[1]
     command = [sys.executable, "tools/plan.py", "--ds_config", "ds_configs/1.3b.json", "--nodes", "64", "--gpu",
                "h100-80gb", "--json"]

@@ -67,7 +67,7 @@ def micro_batches(step: int, seq_length: int, data_parallel_rank: int, data_para
 
 
 def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, precision: str, checkpointing: bool):
-    config = model_config(precision=precision, activation_checkpointing=checkpointing)
+    config = model_config(precision=precision, recompute="full" if checkpointing else "none")
     parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED)
     losses, norms = [], []

@@ -145,7 +145,7 @@ def test_530b_memory_parts_by_hand(recipe, parameters):
 
 def test_530b_without_checkpointing_fits_only_if_attention_is_fused(recipe, parameters):
     """Stage 0 holds 35 micro-batches of 3 full layers + its output: 8 N + 12 N / 8 + activations + p2p + 2 GiB."""
-    no_recompute = load_run_config(RECIPE, ["model.activation_checkpointing=false"])
+    no_recompute = load_run_config(RECIPE, ["model.recompute=\"none\""])
     static = 8 * N_FIRST + 12 * N_FIRST // 8 + 2 * HIDDEN_TENSOR + 2 * 2**30
     fused = stage_memory(no_recompute, deepspeed_layout(recipe), parameters.stages[0], 8, 240, A100, DEFAULTS)
     assert fused.total == static + 35 * (3 * LAYER_FUSED + HIDDEN_TENSOR) == 82_081_823_488  # 76.44 GiB
@@ -291,7 +291,7 @@ def measured_config(precision: str):
            "optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                                     "torch_adam": True}},
            "model": {"preset": "tiny", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                     "seq_length": 16, "precision": precision, "activation_checkpointing": True},
+                     "seq_length": 16, "precision": precision, "recompute": "full"},
            "parallelism": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
            "schedule": {"lr": 1e-3, "warmup_tokens": 0, "decay_tokens": 1e6, "train_tokens": 1e6}}
     if precision == "bf16":
@@ -422,7 +422,7 @@ def test_cli_json_has_the_documented_schema(capsys):
                          "divisible by tensor_parallel_size (8) x pipeline_parallel_size (35) = 280"),
     (["--nodes", "280", "--set", "train_micro_batch_size_per_gpu=7"],
      "the full batch train_batch_size=1920 is not divisible by micro-batch x DP = 7 x 8 = 56"),
-    (["--nodes", "280", "--set", "model.activation_checkpointing=false", "--attention-scores", "stored"],
+    (["--nodes", "280", "--set", "model.recompute=\"none\"", "--attention-scores", "stored"],
      "memory exceeded: stage 0 needs 109.3 GiB of the a100-80gb's 80 GiB"),
     # 8 N + 12 N / 8 + 35 x 4 x 2 s b h + 13 s b h + 2 x 2 s b h + 2 GiB = 31.8 GiB
     (["--nodes", "280", "--gpu", "a100-40gb", "--memory-gib", "30"], "memory exceeded: stage 0 needs 31.8 GiB"),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model.config import ModelConfig, ParallelConfig, preset
+from model.config import ModelConfig, ParallelConfig, preset, upgrade_model_fields
 from training.schedules import BatchRamp, LearningRateSchedule
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ def _build(cls, block: str, values: dict[str, Any]):
 
 
 def _model_config(values: dict[str, Any]) -> ModelConfig:
-    values = dict(values)
+    values = upgrade_model_fields(values)
     name = values.pop("preset", None)
     if name is None:
         return _build(ModelConfig, "model", values)
@@ -368,7 +368,8 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
                        data=_build(DataConfig, "data", raw.get("data", {})),
                        training=_build(TrainingConfig, "training", raw.get("training", {})),
                        deepspeed=deepspeed, source=source)
-    config.model.check_parallel(config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size)
+    config.model.check_parallel(config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size,
+                                config.parallelism.sequence_parallel)
     if config.data.eod_token_id >= config.model.vocab_size:
         raise ValueError(f"{source}: model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's: its "
                          f"end-of-document id data.eod_token_id ({config.data.eod_token_id}) does not fit; give the "

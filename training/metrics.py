@@ -94,7 +94,7 @@ def flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_
     Forward + backward is 3 forwards, 4 with activation recomputation; the logits (2 h V per token forward) are never
     recomputed. GPT shape: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), or 72 and V/(12 l h) without recomputation.
     """
-    recompute = config.activation_checkpointing if recompute is None else recompute
+    recompute = config.recompute == "full" if recompute is None else recompute
     passes = 4.0 if recompute else 3.0
     tokens = global_batch * config.seq_length
     logits = 3.0 * 2.0 * config.hidden_size * config.padded_vocab_size(tensor_parallel_size)

@@ -354,7 +354,7 @@ class StageMemory:
     activations_no_recompute: int
     """The same without it."""
     activations: int
-    """The one in force (model.activation_checkpointing)."""
+    """The one in force (model.recompute == "full")."""
     pipeline_buffers: int
     reduce_buffer: int
     framework_allowance: int
@@ -392,7 +392,7 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
         activations_per_micro_batch_recompute=act.per_micro_batch_recompute,
         activations_per_micro_batch_no_recompute=act.per_micro_batch_no_recompute,
         activations_recompute=with_recompute, activations_no_recompute=without,
-        activations=with_recompute if model.activation_checkpointing else without,
+        activations=with_recompute if model.recompute == "full" else without,
         pipeline_buffers=2 * hidden_tensor if pp > 1 else 0, reduce_buffer=reduce_buffer if d > 1 else 0,
         framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB))
 
@@ -477,7 +477,7 @@ class MicroBatchTime:
 def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, rates: Rates) -> MicroBatchTime:
     model, b = config.model, config.micro_batch_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    recompute = model.activation_checkpointing
+    recompute = model.recompute == "full"
     hidden_tensor = hidden_tensor_bytes(model, b)
     all_reduces = transformer_layers(count) * (6 if recompute else 4)
     all_reduces += ("PositionEmbedding" in count.layers) + holds_head(count)
@@ -897,8 +897,8 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
     tp = config.parallelism.tensor_parallel_size
     prose = [
         f"{config.source}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
-        f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, activation "
-        f"checkpointing {'on' if model.activation_checkpointing else 'off'}; TP {tp} x PP "
+        f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, recompute "
+        f"{model.recompute}; TP {tp} x PP "
         f"{config.parallelism.pipeline_parallel_size}, micro-batch {config.micro_batch_size}",
         f"DeepSpeed: {layout.optimizer} (ZeRO-1), DP gradient reduction in {8 * layout.communication_bytes}-bit, "
         f"pipe_partitioned {layout.pipe_partitioned}",
