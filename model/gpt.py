@@ -22,10 +22,20 @@ NORMS, FINAL_NORMS, MLPS); the skeleton (embedding -> blocks -> norm -> head) is
 Every layer is built from (ModelConfig, ParallelContext, seed, layer_number) and initialises itself (model/init.py),
 so a stage holds exactly its part of the unsplit model.
 
-Dropout draws from two random streams (model/random.py tabulates them): the embedding dropout (PositionEmbedding) and
-the hidden dropout after each row-parallel output (TransformerLayer) from torch's default stream, the same on every
-TP rank of a stage; the attention dropout inside SDPA (SelfAttention) from the tensor-parallel stream, different on
-every TP rank and stage. The layers of one model share one tensor-parallel ``RNGStream``.
+With sequence parallelism (parallelism.sequence_parallel) every (b, s, h) above between the embedding and the head
+is this TP rank's sequence shard (b, s/R, h), the tensor sent between stages included (model/layers.py says where
+the sequence is gathered and scattered); the logits are the whole sequence again.
+
+Dropout draws from two random streams (model/random.py tabulates them): a dropout on a replicated activation (the
+embedding dropout, and the hidden dropout after each row-parallel output, without sequence parallelism) from torch's
+default stream, the same on every TP rank of a stage; a dropout on a sharded activation (the attention dropout inside
+SDPA, on this rank's heads; with sequence parallelism also the embedding and hidden dropouts, on this rank's
+positions) from the tensor-parallel stream, different on every TP rank and stage. The layers of one model share one
+tensor-parallel ``RNGStream``.
+
+Recomputation (model.recompute, per block: ModelConfig.recompute_at) happens in TransformerLayer: "full" stores the
+block's input and reruns the block in the backward pass, "selective" stores q, k, v and reruns only the attention
+core (SelfAttention), "none" stores everything. Both replay the dropout masks of the forward (model/random.py).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    sequence_parallel_parameters,
     vocab_parallel_cross_entropy,
 )
 from model.parallel import ParallelContext
@@ -88,26 +99,54 @@ class OutputHead(VocabParallelEmbedding):
         return self.logits(hidden)  # (b, s, h) replicated -> (b, s, V/R)
 
 
+class HiddenDropout(nn.Module):
+    """Dropout on a (b, s, h) activation outside the TP matmuls: replicated, it draws from torch's default stream
+    (the same mask on every TP rank); a sequence shard (sequence parallelism), from the tensor-parallel stream."""
+
+    def __init__(self, p: float, ctx: ParallelContext, rng: RNGStream) -> None:
+        super().__init__()
+        self.p, self.rng, self.on_shards = p, rng, ctx.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.rng.fork(enabled=self.on_shards):
+            return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, {'tensor-parallel stream (sequence shards)' if self.on_shards else 'default stream'}"
+
+
+def _sequence_shard(ctx: ParallelContext, full: torch.Tensor, shard_length: int) -> torch.Tensor:
+    """This TP rank's positions [r s/R, (r+1) s/R) of a (b, s) tensor (all of it without sequence parallelism)."""
+    if not ctx.sequence_parallel:
+        return full
+    start = ctx.tensor_parallel_rank * shard_length
+    return full[:, start:start + shard_length]
+
+
 class PositionEmbedding(nn.Module):
     """Adds the learned absolute position embedding (replicated on every TP rank), then dropout."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> None:
         super().__init__()
+        self.ctx = ctx
         self.weight = nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size))
         normal_sharded_(self.weight, config.init_method_std, parameter_seed(seed, EMBEDDING_LAYER, "position"))
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        word_embeddings, position_ids = inputs  # (b, s, h), (b, s)
-        return self.dropout(word_embeddings + F.embedding(position_ids, self.weight))  # (b, s, h)
+        word_embeddings, position_ids = inputs  # (b, s, h) or this rank's (b, s/R, h), (b, s)
+        positions = _sequence_shard(self.ctx, position_ids, word_embeddings.shape[1])
+        return self.dropout(word_embeddings + F.embedding(positions, self.weight))  # like word_embeddings
 
 
 class EmbeddingDropout(nn.Module):
     """The position layer of a RoPE model: the embedding dropout alone (positions act in attention)."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         word_embeddings, _ = inputs  # (b, s, h), (b, s): RoPE uses positions 0 .. s-1 (the module docstring)
@@ -128,9 +167,10 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
-                 rng: RNGStream) -> None:
+                 rng: RNGStream, recompute_core: bool = False) -> None:
         super().__init__()
         h = config.hidden_size
+        self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
         self.groups = config.num_key_value_heads // ctx.tensor_parallel_size
         self.queries_per_group = config.queries_per_key_value_head
         self.heads = self.groups * self.queries_per_group
@@ -148,20 +188,28 @@ class SelfAttention(nn.Module):
                        if config.position_embedding == "rope" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
+        b, s = qkv.shape[:2]
         per_group = self.queries_per_group
-        qkv = self.qkv(x).view(b, s, self.groups, per_group + 2, self.head_dim)  # (b, s, g/R, q + 2, d)
+        qkv = qkv.view(b, s, self.groups, per_group + 2, self.head_dim)  # (b, s, g/R, q + 2, d)
         qkv = qkv.permute(0, 2, 3, 1, 4)  # (b, g/R, q + 2, s, d)
         q = qkv[:, :, :per_group].flatten(1, 2)  # (b, nh/R, s, d), query head j in group j // q
         k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]  # each (b, g/R, s, d)
         if self.rotary is not None:
             q, k = self.rotary(q, k)
-        dropout = self.dropout if self.training else 0.0
-        with self.rng.fork(enabled=dropout > 0):
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                     enable_gqa=per_group > 1)  # (b, nh/R, s, d)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = checkpoint(self.rng, self.core, q, k, v)
+        else:
+            context = self.core(q, k, v)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/R)
         return self.dense(context)  # (b, s, h)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns."""
+        dropout = self.dropout if self.training else 0.0
+        with self.rng.fork(enabled=dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                  enable_gqa=self.queries_per_group > 1)  # (b, nh/R, s, d)
 
     def extra_repr(self) -> str:
         return (f"{self.groups} key/value groups of {self.queries_per_group} query heads on this rank, "
@@ -226,22 +274,34 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm.
 
     ``rng`` is the model's tensor-parallel stream, shared by all its layers; a layer built alone gets its own.
+    ``recompute`` is this block's mode, config.recompute_at(layer_number, PP): "full" checkpoints the whole block,
+    "selective" only its attention core, "none" nothing.
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
                  rng: RNGStream | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
+        self.rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
+        self.recompute = config.recompute_at(layer_number, ctx.pipeline_parallel_size)
         self.ln1 = NORMS[config.norm](config)
-        self.attention = SelfAttention(config, ctx, seed, layer_number,
-                                       rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
+        self.attention = SelfAttention(config, ctx, seed, layer_number, self.rng,
+                                       recompute_core=self.recompute == "selective")
         self.ln2 = NORMS[config.norm](config)
         self.mlp = MLPS[config.mlp](config, ctx, seed, layer_number)
-        self.dropout = nn.Dropout(config.hidden_dropout)  # on replicated (b, s, h): the default stream
+        self.dropout = HiddenDropout(config.hidden_dropout, ctx, self.rng)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x)))  # (b, s, h)
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self.rng, self.block, x)
+        return self.block(x)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x)))  # (b, s, h), or (b, s/R, h) with sequence parallelism
         return x + self.dropout(self.mlp(self.ln2(x)))
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute}"
 
 
 class FinalLayerNorm(nn.LayerNorm):
@@ -272,7 +332,7 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
         first, head = LayerSpec(WordEmbedding, config, ctx, seed), LayerSpec(OutputHead, config, ctx, seed)
     return [
         first,
-        LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed),
+        LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed, rng),
         *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng) for n in range(1, config.num_layers + 1)],
         LayerSpec(FINAL_NORMS[config.norm], config, ctx, seed),
         head,
@@ -334,20 +394,28 @@ def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Ten
 def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str):
     """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it).
 
-    Its ``tensor_parallel_rng`` is the stage's tensor-parallel stream, which checkpoints save and restore. Activation
-    checkpointing replays that stream in the recompute (model/random.py)."""
+    Its ``tensor_parallel_rng`` is the stage's tensor-parallel stream, which checkpoints save and restore.
+    Recomputation replays that stream (model/random.py). With sequence parallelism the replicated parameters'
+    gradients are summed over the TP group once per step, where DeepSpeed sums the tied embedding's: DeepSpeed's
+    pipeline engine all-reduces every (parameter, group) pair that ``get_tied_weights_and_groups`` lists (the fp32
+    accumulation buffer under BF16_Optimizer, ``.grad`` otherwise) after the last backward of the step, before the
+    data-parallel reduction, the gradient norm and the optimizer."""
     from deepspeed.pipe import PipelineModule
 
-    config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size)
+    class GPTPipelineModule(PipelineModule):
+        def get_tied_weights_and_groups(self):
+            pairs = super().get_tied_weights_and_groups()
+            if ctx.sequence_parallel:
+                pairs += [(p, ctx.tensor_parallel_group) for p in sequence_parallel_parameters(self)]
+            return pairs
+
+    config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel)
     rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
-    module = PipelineModule(
+    module = GPTPipelineModule(
         layers=gpt_layer_specs(config, ctx, seed, rng),
         topology=ctx.topology,
         loss_fn=partial(gpt_loss, ctx),
         partition_method=partition_method,
-        activation_checkpoint_interval=1 if config.recompute == "full" else 0,
-        activation_checkpoint_func=partial(checkpoint, rng),
-        checkpointable_layers=["TransformerLayer"],
     )
     module.tensor_parallel_rng = rng
     return module
@@ -364,7 +432,8 @@ class GPT(nn.Module):
         self.ctx = ctx or ParallelContext()
         self.tensor_parallel_rng = RNGStream(tensor_parallel_stream_seed(seed, self.ctx))
         self.word_embeddings = WordEmbedding(config, self.ctx, seed)
-        self.position_embedding = POSITION_LAYERS[config.position_embedding](config, self.ctx, seed)
+        self.position_embedding = POSITION_LAYERS[config.position_embedding](config, self.ctx, seed,
+                                                                              self.tensor_parallel_rng)
         self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng)
                                     for n in range(1, config.num_layers + 1))
         self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)

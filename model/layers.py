@@ -14,6 +14,21 @@ With R = tensor-parallel size and r this rank:
 Every sharded parameter carries ``tensor_model_parallel = True`` (with Megatron's partition_dim/stride): DeepSpeed's
 ZeRO gradient norm counts such a parameter on every TP rank and a replicated one on TP rank 0 only; without the
 attribute the clipped norm is silently wrong.
+
+Sequence parallelism (ctx.sequence_parallel, Korthikanti et al. 2022) changes only the replicated columns: what is
+"replicated (b, s, h)" above is then this rank's sequence shard (b, s/R, h), positions [r s/R, (r+1) s/R).
+
+    layer                    input                          output
+    VocabParallelEmbedding   ids (b, s)                     (b, s/R, h): reduce-scattered instead of all-reduced
+      as the output head     (b, s/R, h), all-gathered      (b, s, V/R)
+    ColumnParallelLinear     (b, s/R, K), all-gathered      (b, s, N/R)   stores the shard, gathers again in backward
+    RowParallelLinear        (b, s, K/R)                    (b, s/R, N): reduce-scattered, then the bias
+    norms, dropouts, adds    (b, s/R, h)                    (b, s/R, h)
+
+A replicated parameter then sees only this rank's positions, so its gradient is a partial sum over the TP ranks:
+``sequence_parallel_parameters`` lists them (every parameter not marked tensor_model_parallel: the norms, the
+row-parallel biases, the position table) and their gradients are all-reduced over TP once per step, before the
+optimizer and its gradient norm see them (model/gpt.py, GPTPipelineModule).
 """
 
 from __future__ import annotations
@@ -27,9 +42,13 @@ from torch import nn
 from model.init import normal_sharded_
 from model.parallel import ParallelContext
 from model.primitives import (
+    Group,
+    all_gather_sequence,
     copy_to_tensor_parallel_region,
     group_size,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_sequence,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 
@@ -38,6 +57,53 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, partition_stri
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = partition_stride
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """With sequence parallelism, the parameters whose gradients are partial sums over the TP ranks: every
+    trainable one that is not sharded (the module docstring)."""
+    return [p for p in module.parameters() if p.requires_grad and not getattr(p, "tensor_model_parallel", False)]
+
+
+def all_reduce_sequence_parallel_gradients(module: nn.Module, group: Group) -> None:
+    """Sum the partial gradients of ``sequence_parallel_parameters`` over the TP group (in place, one all-reduce)."""
+    grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
+    if group_size(group) == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(summed.view_as(grad))
+
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) A^T + b that stores the shard x, not the gathered input: the backward gathers it again
+    (one more all-gather of (b, s/R, K) per layer, Megatron's choice), so the stored input is 1/R of the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_sequence(x, group), weight, bias)  # (b, s, N/R)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gathered = all_gather_sequence(x, ctx.group)  # (b, s, K)
+        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # summed over the TP ranks' N/R slices
+        flat_grad = grad.reshape(-1, grad.shape[-1])  # (b s, N/R)
+        grad_weight = flat_grad.t().matmul(gathered.reshape(-1, gathered.shape[-1]))
+        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                           sequence_parallel: bool) -> torch.Tensor:
+    """Enter a TP region and multiply: a replicated (b, s, K), or with sequence parallelism a shard (b, s/R, K)
+    that is all-gathered, -> (b, s, N/R). Input gradients are summed over the TP ranks either way."""
+    if sequence_parallel and group_size(group) > 1:
+        return _SequenceGatherLinear.apply(x, weight, bias, group)
+    return F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -57,7 +123,7 @@ class VocabParallelEmbedding(nn.Module):
                  init_std: float, seed: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.vocab_size = num_embeddings, embedding_dim, vocab_size
-        self.group = ctx.tensor_parallel_group
+        self.group, self.sequence_parallel = ctx.tensor_parallel_group, ctx.sequence_parallel
         rows = _divide(num_embeddings, ctx.tensor_parallel_size, "padded vocabulary")
         self.vocab_start = ctx.tensor_parallel_rank * rows
         self.vocab_end = self.vocab_start + rows
@@ -70,12 +136,14 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         embedded = F.embedding(local_ids, self.weight)  # (b, s, h), partial
         embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(embedded, self.group)  # (b, s/R, h), this rank's
         return reduce_from_tensor_parallel_region(embedded, self.group)  # (b, s, h), replicated
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output head: (b, s, h) replicated -> (b, s, V/R) logits of this rank's vocabulary slice."""
-        hidden = copy_to_tensor_parallel_region(hidden, self.group)
-        logits = F.linear(hidden, self.weight)  # (b, s, V/R)
+        """Output head: (b, s, h) replicated, or (b, s/R, h) with sequence parallelism -> (b, s, V/R) logits of this
+        rank's vocabulary slice."""
+        logits = column_parallel_linear(hidden, self.weight, None, self.group, self.sequence_parallel)  # (b, s, V/R)
         padded = self.vocab_end - max(self.vocab_size, self.vocab_start)
         if padded > 0:
             # In place on the matmul output (its backward does not read it): no copy of the logits. Outside autograd:
@@ -104,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = True, sub_matrices: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features, self.sub_matrices = in_features, out_features, sub_matrices
-        self.group = ctx.tensor_parallel_group
+        self.group, self.sequence_parallel = ctx.tensor_parallel_group, ctx.sequence_parallel
         rows = _divide(out_features, ctx.tensor_parallel_size, "output features")
         self.row_start = ctx.tensor_parallel_rank * rows
         self.weight = nn.Parameter(torch.empty(sub_matrices * rows, in_features))
@@ -116,8 +184,8 @@ class ColumnParallelLinear(nn.Module):
             mark_tensor_parallel(self.bias, partition_dim=0, partition_stride=sub_matrices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)  # (b, s, K) replicated; grads summed over TP
-        return F.linear(x, self.weight, self.bias)  # (b, s, N/R)
+        # (b, s, K) replicated, or (b, s/R, K) gathered with sequence parallelism; grads summed over TP
+        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)  # (b, s, N/R)
 
     def extra_repr(self) -> str:
         rows = self.weight.shape[0] // self.sub_matrices
@@ -136,7 +204,7 @@ class RowParallelLinear(nn.Module):
                  bias: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.group = ctx.tensor_parallel_group
+        self.group, self.sequence_parallel = ctx.tensor_parallel_group, ctx.sequence_parallel
         columns = _divide(in_features, ctx.tensor_parallel_size, "input features")
         self.column_start = ctx.tensor_parallel_rank * columns
         self.weight = nn.Parameter(torch.empty(out_features, columns))
@@ -146,7 +214,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (b, s, N), this rank's share of the sum over K
-        y = reduce_from_tensor_parallel_region(partial, self.group)  # (b, s, N) replicated
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (b, s/R, N), this rank's positions
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.group)  # (b, s, N) replicated
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -34,6 +34,8 @@ class ParallelContext:
     data_parallel_rank: int = 0
     tensor_parallel_group: Any = None
     topology: Any = None
+    sequence_parallel: bool = False
+    """Activations outside the TP matmuls hold seq_length / TP positions on each TP rank (model/layers.py)."""
 
     def __post_init__(self) -> None:
         for axis in ("tensor", "pipeline", "data"):
@@ -157,7 +159,8 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
     return ParallelContext(tensor_parallel_size=parallel.tensor_parallel_size, tensor_parallel_rank=coord.model,
                            pipeline_parallel_size=parallel.pipeline_parallel_size, pipeline_parallel_rank=coord.pipe,
                            data_parallel_size=dp_size, data_parallel_rank=coord.data,
-                           tensor_parallel_group=tp_group, topology=topology)
+                           tensor_parallel_group=tp_group, topology=topology,
+                           sequence_parallel=parallel.sequence_parallel and parallel.tensor_parallel_size > 1)
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> Any:

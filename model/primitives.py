@@ -7,6 +7,15 @@ Each forward is the backward of its dual:
     scatter_to_tensor_parallel_region   forward: split last dim   backward: all-gather last dim
     gather_from_tensor_parallel_region  forward: all-gather last  backward: split last dim
 
+and with sequence parallelism (Korthikanti et al. 2022), where activations outside the TP matmuls are split along
+the sequence (dim 1 of (b, s, h)), each rank holding s/R positions:
+
+    gather_from_sequence_parallel_region      forward: all-gather seq   backward: reduce-scatter seq
+    reduce_scatter_to_sequence_parallel_region forward: reduce-scatter  backward: all-gather seq
+
+An all-gather and a reduce-scatter move the bytes of the one all-reduce they replace. The column-parallel layers
+fuse the all-gather with their matmul instead (model/layers.py), to store the shard rather than the gathered input.
+
 The group is always an explicit argument. With no group, or a group of one rank, every primitive is the identity,
 so TP = 1 is plain PyTorch.
 """
@@ -54,6 +63,32 @@ def _gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s/R, ...) on each rank -> (b, s, ...), the ranks' shards in rank order (no autograd)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    gathered = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # (R b, s/R, ...)
+    dist.all_gather_single(gathered, x, group=group)
+    gathered = gathered.view(world, *x.shape)  # (R, b, s/R, ...)
+    return gathered.transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s, ...) partial sums on each rank -> (b, s/R, ...): this rank's positions, summed over the ranks."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    b, s = x.shape[:2]
+    if s % world:
+        raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {world}")
+    chunks = x.reshape(b, world, s // world, *x.shape[2:]).transpose(0, 1).contiguous()  # (R, b, s/R, ...)
+    shard = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(shard, chunks.view(world * b, *chunks.shape[2:]), group=group)
+    return shard
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -97,6 +132,28 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a TP region with a replicated input: the gradients of the shards are summed on the way back."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
@@ -115,3 +172,13 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Te
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenate the ranks' slices of the last dimension."""
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence shards (b, s/R, h) -> the whole sequence (b, s, h); gradients are reduce-scattered back."""
+    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial sums (b, s, h) -> this rank's positions (b, s/R, h), summed over the ranks."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)

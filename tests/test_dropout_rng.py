@@ -6,7 +6,9 @@
 - TP 2 x PP 2 (4 processes, gloo, the real DeepSpeed pipeline with activation checkpointing, dropout 0.1): the
   attention dropout draws from a different generator state on every TP rank and stage, the replicated dropouts draw
   the same masks on the TP ranks of a stage, and a resume from the project's checkpoint replays the losses bitwise,
-  which it no longer does when either stream is re-seeded instead of restored.
+  which it no longer does when either stream is re-seeded instead of restored;
+- then, in the same processes, with sequence parallelism: the embedding and hidden dropouts act on each TP rank's
+  own positions and draw from the tensor-parallel stream, so their masks differ between the TP ranks of a stage.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ParallelConfig
-from model.gpt import TransformerLayer
+from model.gpt import HiddenDropout, TransformerLayer
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, default_stream_seed, tensor_parallel_stream_seed
 from tests.distributed import run_distributed
@@ -79,6 +81,17 @@ def test_recompute_draws_the_forward_masks():
     assert torch.equal(plain[0], torch_only[0]) and not torch.equal(plain[1], torch_only[1])
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_each_recompute_mode_draws_the_forward_masks(recompute):
+    """model.recompute inside the block: outputs, gradients and both streams' end states bitwise those of "none"."""
+    config = model_config(hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
+    plain = TransformerLayer(config, ParallelContext(), SEED, 1, RNGStream(0))
+    layer = TransformerLayer(model_config(hidden_dropout=DROPOUT, attention_dropout=DROPOUT, recompute=recompute),
+                             ParallelContext(), SEED, 1, RNGStream(0))
+    assert layer.recompute == recompute
+    assert all(torch.equal(a, b) for a, b in zip(_layer_step(plain, plain), _layer_step(layer, layer), strict=True))
+
+
 def _train_step(engine, ctx, step: int) -> float:
     data = micro_batches(step, model_config().seq_length, ctx.data_parallel_rank, ctx.data_parallel_size)
     return engine.train_batch(data_iter=data).item()
@@ -86,8 +99,8 @@ def _train_step(engine, ctx, step: int) -> float:
 
 def _observed_step(engine, ctx, step: int) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
     """A training step that records the generator state each SDPA draws its attention dropout from (inside the
-    tensor-parallel region) and the mask of every nn.Dropout (replicated activations); with activation checkpointing
-    the recompute records again."""
+    tensor-parallel region) and the mask of every hidden dropout (replicated activations, or sequence shards); with
+    activation checkpointing the recompute records again."""
     attention_states, replicated_masks = [], []
     sdpa = F.scaled_dot_product_attention
 
@@ -96,7 +109,7 @@ def _observed_step(engine, ctx, step: int) -> tuple[float, list[torch.Tensor], l
         return sdpa(*args, **kwargs)
 
     hooks = [module.register_forward_hook(lambda module, inputs, output: replicated_masks.append(output == 0))
-             for module in engine.module.modules() if isinstance(module, torch.nn.Dropout)]
+             for module in engine.module.modules() if isinstance(module, HiddenDropout)]
     F.scaled_dot_product_attention = recording_sdpa
     try:
         loss = _train_step(engine, ctx, step)
@@ -128,6 +141,10 @@ def _train_save_resume(directory: str) -> dict:
     load_checkpoint(engine, directory)
     stream.load_state_dict(RNGStream(999).state_dict())
     result["tensor_parallel_reseeded"] = _train_step(engine, ctx, 1)
+    del engine
+    sequence_parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
+    engine, ctx = build_engine(config, sequence_parallel, deepspeed_config("fp32"), SEED)
+    _, _, result["shard_masks"] = _observed_step(engine, ctx, 0)
     return result
 
 
@@ -149,6 +166,14 @@ def test_streams_at_tp2_pp2_and_bitwise_resume(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(tp0["replicated_masks"], tp1["replicated_masks"], strict=True))
         dropped = torch.cat([mask.flatten() for mask in tp0["replicated_masks"]]).float().mean().item()
         assert 0.07 < dropped < 0.13
+    # Sequence parallelism: each TP rank drops its own positions (half the sequence) with its own stream's masks.
+    for stage in (0, 1):
+        tp0, tp1 = (next(r for r in ranks if (r["pp"], r["tp"]) == (stage, tp)) for tp in (0, 1))
+        assert len(tp0["shard_masks"]) == len(tp1["shard_masks"]) == len(tp0["replicated_masks"])
+        assert all(mask.shape[1] == model_config().seq_length // 2 for mask in tp0["shard_masks"])
+        assert not any(torch.equal(a, b) for a, b in zip(tp0["shard_masks"], tp1["shard_masks"], strict=True))
+        dropped = torch.cat([mask.flatten() for mask in tp0["shard_masks"] + tp1["shard_masks"]]).float().mean()
+        assert 0.07 < dropped.item() < 0.13
     # Resume: the losses after loading the checkpoint are the losses after saving it, bit for bit; re-seeding either
     # stream instead of restoring it changes them.
     for rank in ranks:

@@ -66,16 +66,33 @@ def micro_batches(step: int, seq_length: int, data_parallel_rank: int, data_para
         yield (tokens[:, :-1], positions), (tokens[:, 1:], loss_mask[rows])
 
 
-def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, precision: str, checkpointing: bool):
-    config = model_config(precision=precision, recompute="full" if checkpointing else "none")
-    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-    engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED)
-    losses, norms = [], []
-    for step in range(STEPS):
-        data = micro_batches(step, config.seq_length, ctx.data_parallel_rank, ctx.data_parallel_size)
-        losses.append(engine.train_batch(data_iter=data).item())
-        norms.append(float(engine.get_global_grad_norm()))
-    return {"losses": losses, "norms": norms, "micro_batches": engine.gradient_accumulation_steps()}
+def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, precision: str,
+                    variants: list[dict]) -> list[dict]:
+    """Train each variant (model fields, plus "sequence_parallel") from scratch in these processes, one after the
+    other: one launch serves several layouts of the same world."""
+    from model.gpt import TransformerLayer
+
+    results = []
+    for variant in variants:
+        fields = dict(variant)
+        sequence_parallel = fields.pop("sequence_parallel", False)
+        config = model_config(precision=precision, **fields)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel)
+        engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED)
+        blocks = [module for module in engine.module.modules() if isinstance(module, TransformerLayer)]
+        sent = []  # the shape of what this stage's last block outputs: on stage 0, the tensor sent to stage 1
+        blocks[-1].register_forward_hook(lambda module, inputs, output, sent=sent: sent.append(tuple(output.shape)))
+        losses, norms = [], []
+        for step in range(STEPS):
+            data = micro_batches(step, config.seq_length, ctx.data_parallel_rank, ctx.data_parallel_size)
+            losses.append(engine.train_batch(data_iter=data).item())
+            norms.append(float(engine.get_global_grad_norm()))
+        results.append({"losses": losses, "norms": norms, "micro_batches": engine.gradient_accumulation_steps(),
+                        "stage": ctx.pipeline_parallel_rank, "stage_output": sent[0],
+                        "recompute": [block.recompute for block in blocks]})
+        del engine
+    return results
 
 
 def clip_by_global_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -120,24 +137,42 @@ def test_reference_learns_and_clips(reference):
     assert reference["norms"][0] > CLIP  # the first steps are really clipped, so clipping is under test
 
 
+SEQUENCE_PARALLEL = {"sequence_parallel": True}
+# (2, 2, 2) with sequence parallelism and each recompute mode ("full" on the first block of each 2-block stage only):
+# recomputation and sequence parallelism must not change the numbers.
+LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selective"},
+              {**SEQUENCE_PARALLEL, "recompute": "full"}, {**SEQUENCE_PARALLEL, "recompute": "full",
+                                                          "recompute_num_layers": 1}]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp, pp, dp, checkpointing", [
-    (1, 1, 1, False),
-    (2, 1, 1, False),
-    (1, 2, 1, True),  # activation checkpointing must not change the numbers
-    (2, 2, 2, False),  # 8 processes: the full 3D split
-])
-def test_fp32_split_equals_unsplit(tp, pp, dp, checkpointing, reference):
-    ranks = run_distributed(tp * pp * dp, _train_pipeline, tp, pp, "fp32", checkpointing)
-    for result in ranks:  # every rank reports the same DP-averaged loss and global norm
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(result["norms"], reference["norms"], rtol=1e-5, atol=1e-5)
-    assert ranks[0]["micro_batches"] == GLOBAL_BATCH // (MICRO_BATCH * dp)
+@pytest.mark.parametrize("tp, pp, dp, variants", [
+    (1, 1, 1, [{}]),
+    (2, 1, 1, [{}]),
+    (1, 2, 1, [{"recompute": "full"}]),
+    (2, 2, 2, LAYOUTS_3D),  # 8 processes: the full 3D split
+], ids=["1-1-1", "2-1-1", "1-2-1-full", "2-2-2-sp-recompute"])
+def test_fp32_split_equals_unsplit(tp, pp, dp, variants, reference):
+    ranks = run_distributed(tp * pp * dp, _train_pipeline, tp, pp, "fp32", variants)
+    for variant_index, variant in enumerate(variants):
+        for rank_results in ranks:  # every rank reports the same DP-averaged loss and global norm
+            result = rank_results[variant_index]
+            torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-5, msg=str(variant))
+            torch.testing.assert_close(result["norms"], reference["norms"], rtol=1e-5, atol=1e-5, msg=str(variant))
+            assert result["micro_batches"] == GLOBAL_BATCH // (MICRO_BATCH * dp)
+            recompute = variant.get("recompute", "none")
+            layers = variant.get("recompute_num_layers")
+            assert result["recompute"] == [recompute if layers is None or i < layers else "none"
+                                           for i in range(MODEL["num_layers"] // pp)]
+            if result["stage"] == 0:  # the tensor sent to the next stage: this TP rank's sequence shard with SP
+                sequence = MODEL["seq_length"] // (tp if variant.get("sequence_parallel") else 1)
+                assert result["stage_output"] == (MICRO_BATCH, sequence, MODEL["hidden_size"])
 
 
 @pytest.mark.distributed
 def test_bf16_trains_near_fp32(reference):
-    ranks = run_distributed(8, _train_pipeline, 2, 2, "bf16", True)
+    ranks = run_distributed(8, _train_pipeline, 2, 2, "bf16", [{"recompute": "full", **SEQUENCE_PARALLEL}])
+    ranks = [variants[0] for variants in ranks]
     losses = ranks[0]["losses"]
     assert losses[-1] < losses[0] - 0.5
     # Tolerances from bf16's precision (8 significant bits: a relative rounding of up to 2^-9, spacing 2^-8):

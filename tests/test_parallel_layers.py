@@ -12,6 +12,10 @@ Tolerant comparisons (rtol 1e-5, atol 1e-6 in fp32), and why:
   sums are added in another order than one long sum, which changes the last bits of an fp32 result;
 - column-parallel outputs and weight gradients: BLAS may block a matmul differently for N/R rows than for N.
 
+Sequence parallelism (the sp_* cases, in the same processes): the same layers with their activations outside the
+TP matmuls split along the sequence (dim 1) equal the same unsharded layers. A replicated parameter's gradient is
+then a partial sum over the ranks; after all_reduce_sequence_parallel_gradients every rank holds the whole sum.
+
 Memory of the output head and the loss (single process, exact byte counts): the head allocates its matmul output and
 nothing else, and the loss saves for backward the logits themselves (no copy) plus five per-token tensors.
 benchmarks/bench_head_memory.py measures the peak at 1.3B scale.
@@ -27,12 +31,19 @@ from torch.utils._pytree import tree_leaves
 
 import model.layers
 from model.config import ParallelConfig
-from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from model.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce_sequence_parallel_gradients,
+    vocab_parallel_cross_entropy,
+)
 from model.parallel import ParallelContext, build_parallel_context
 from model.primitives import gather_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from tests.distributed import run_distributed
 
-B, S, K, N, VOCAB, PADDED = 2, 5, 16, 24, 50, 64
+B, S, K, N, VOCAB, PADDED = 2, 8, 16, 24, 50, 64  # S divides by TP 2 and 4
 IGNORE = -100
 REPLICATED = "replicated"
 
@@ -95,13 +106,89 @@ def _scatter_gather(ctx: ParallelContext) -> dict:
             "grad_x": (x.grad, REPLICATED, "exact")}
 
 
+SEQUENCE = 1  # the sequence dimension of (b, s, h)
+
+
+def _sp_column(ctx: ParallelContext) -> dict:
+    layer = ColumnParallelLinear(K, N, ctx, init_std=0.02, seed=11)
+    x = _shard(_inputs(B, S, K, seed=1), ctx, SEQUENCE).requires_grad_()  # this rank's positions
+    out = layer(x)  # the whole sequence, this rank's N/R features
+    (out * _shard(_inputs(B, S, N, seed=2), ctx, -1)).sum().backward()
+    return {"out": (out.detach(), -1, "close"), "grad_x": (x.grad, SEQUENCE, "close"),
+            "grad_weight": (layer.weight.grad, 0, "close"), "grad_bias": (layer.bias.grad, 0, "close")}
+
+
+def _sp_row(ctx: ParallelContext) -> dict:
+    layer = RowParallelLinear(N, K, ctx, init_std=0.02, seed=12)
+    with torch.no_grad():
+        layer.bias.copy_(_inputs(K, seed=3))
+    x = _shard(_inputs(B, S, N, seed=4), ctx, -1).requires_grad_()
+    out = layer(x)  # this rank's positions
+    (out * _shard(_inputs(B, S, K, seed=5), ctx, SEQUENCE)).sum().backward()
+    all_reduce_sequence_parallel_gradients(layer, ctx.tensor_parallel_group)  # the bias saw only our positions
+    return {"out": (out.detach(), SEQUENCE, "close"), "grad_x": (x.grad, -1, "close"),
+            "grad_weight": (layer.weight.grad, 1, "close"), "grad_bias": (layer.bias.grad, REPLICATED, "close")}
+
+
+def _sp_embedding(ctx: ParallelContext) -> dict:
+    layer = VocabParallelEmbedding(PADDED, K, ctx, vocab_size=VOCAB, init_std=0.02, seed=13)
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(6))
+    out = layer(ids)  # reduce-scattered: this rank's positions, one rank's row plus exact zeros
+    (out * _shard(_inputs(B, S, K, seed=7), ctx, SEQUENCE)).sum().backward()
+    return {"out": (out.detach(), SEQUENCE, "exact"), "grad_weight": (layer.weight.grad, 0, "exact")}
+
+
+def _head(ctx: ParallelContext) -> dict:
+    """The output head: hidden (b, s, h), or this rank's positions with sequence parallelism, -> (b, s, V/R)."""
+    layer = VocabParallelEmbedding(PADDED, K, ctx, vocab_size=VOCAB, init_std=0.02, seed=13)
+    hidden_sharding = SEQUENCE if ctx.sequence_parallel else REPLICATED
+    hidden = _inputs(B, S, K, seed=16)
+    hidden = (_shard(hidden, ctx, SEQUENCE) if ctx.sequence_parallel else hidden).requires_grad_()
+    logits = layer.logits(hidden)
+    real = logits[..., :VOCAB - layer.vocab_start] if layer.vocab_start < VOCAB else logits[..., :0]
+    (real * _shard(_inputs(B, S, PADDED, seed=17), ctx, -1)[..., :real.shape[-1]]).sum().backward()
+    return {"logits": (logits.detach(), -1, "close"), "grad_hidden": (hidden.grad, hidden_sharding, "close"),
+            "grad_weight": (layer.weight.grad, 0, "close")}
+
+
+def _norms(ctx: ParallelContext) -> dict:
+    """LayerNorm and RMSNorm on (b, s, h), or on this rank's positions: weight (and bias) gradients summed over TP."""
+    torch.manual_seed(18)
+    norms = torch.nn.ModuleDict({"layernorm": torch.nn.LayerNorm(K), "rmsnorm": RMSNorm(K, eps=1e-5)})
+    with torch.no_grad():
+        for parameter in norms.parameters():
+            parameter.add_(_inputs(*parameter.shape, seed=19))
+    sharding = SEQUENCE if ctx.sequence_parallel else REPLICATED
+    x = _inputs(B, S, K, seed=20)
+    x = (_shard(x, ctx, SEQUENCE) if ctx.sequence_parallel else x).requires_grad_()
+    target = _inputs(B, S, K, seed=21)
+    target = _shard(target, ctx, SEQUENCE) if ctx.sequence_parallel else target
+    (norms["layernorm"](x) * target).sum().backward()
+    (norms["rmsnorm"](x) * target * 2).sum().backward()
+    if ctx.sequence_parallel:
+        all_reduce_sequence_parallel_gradients(norms, ctx.tensor_parallel_group)
+    return {"grad_x": (x.grad, sharding, "close"),
+            "ln_grad_weight": (norms["layernorm"].weight.grad, REPLICATED, "close"),
+            "ln_grad_bias": (norms["layernorm"].bias.grad, REPLICATED, "close"),
+            "rms_grad_weight": (norms["rmsnorm"].weight.grad, REPLICATED, "close")}
+
+
 CASES = {"column": _column, "row": _row, "embedding": _embedding, "cross_entropy": _cross_entropy,
-         "scatter_gather": _scatter_gather}
+         "scatter_gather": _scatter_gather, "head": _head, "norms": _norms}
+# The same layers with sequence parallelism, checked against the same unsharded references.
+SEQUENCE_PARALLEL_CASES = {"sp_column": (_sp_column, "column"), "sp_row": (_sp_row, "row"),
+                           "sp_embedding": (_sp_embedding, "embedding"), "sp_head": (_head, "head"),
+                           "sp_norms": (_norms, "norms")}
 
 
 def _all_cases(tensor_parallel_size: int) -> dict:
+    import dataclasses
+
     ctx = build_parallel_context(ParallelConfig(tensor_parallel_size=tensor_parallel_size))
-    return {name: case(ctx) for name, case in CASES.items()}
+    results = {name: case(ctx) for name, case in CASES.items()}
+    sequence_parallel = dataclasses.replace(ctx, sequence_parallel=True)
+    results.update({name: case(sequence_parallel) for name, (case, _) in SEQUENCE_PARALLEL_CASES.items()})
+    return results
 
 
 def _cross_entropy_reference() -> dict:
@@ -208,8 +295,9 @@ def test_cross_entropy_in_chunks_changes_no_bit(monkeypatch):
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4])
 def test_layers_match_unsharded(tensor_parallel_size, references):
     per_rank = run_distributed(tensor_parallel_size, _all_cases, tensor_parallel_size)
-    references = {**references, "cross_entropy": references["cross_entropy_torch"]}
-    for case in CASES:
+    references = {**references, "cross_entropy": references["cross_entropy_torch"],
+                  **{name: references[unsharded] for name, (_, unsharded) in SEQUENCE_PARALLEL_CASES.items()}}
+    for case in [*CASES, *SEQUENCE_PARALLEL_CASES]:
         for name, (_, sharding, comparison) in per_rank[0][case].items():
             shards = [rank_result[case][name][0] for rank_result in per_rank]
             if sharding == REPLICATED:

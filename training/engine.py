@@ -21,6 +21,19 @@ def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str
     return [group for group in groups if group["params"]]
 
 
+def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any]) -> dict[str, Any]:
+    """With sequence parallelism each TP rank sends its own sequence shard to the next stage. DeepSpeed's default
+    pipe_partitioned / grad_partitioned assume the TP ranks hold the same tensor: each sends 1/TP of it and the
+    receivers all-gather the pieces, which would splice the ranks' different shards together. Turn both off."""
+    pipeline = deepspeed_config.get("pipeline", {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key):
+            raise ValueError(f"DeepSpeed's pipeline.{key} is true, which splits the tensor sent between stages over "
+                             f"the TP ranks as if they held the same one; with parallelism.sequence_parallel each "
+                             f"holds its own sequence shard: remove pipeline.{key} (it is turned off here)")
+    return {**deepspeed_config, "pipeline": {**pipeline, "pipe_partitioned": False, "grad_partitioned": False}}
+
+
 def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
                  seed: int) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
@@ -33,6 +46,8 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
 
     init_distributed()
     context = build_parallel_context(parallel_config)
+    if context.sequence_parallel:
+        deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config)
     torch.manual_seed(default_stream_seed(seed, context))
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
