@@ -339,9 +339,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 def upgrade_model_fields(values: dict[str, Any], where: str = "model") -> dict[str, Any]:
     """A "model" block with the fields of earlier versions renamed (run configs and the run config saved in older
     checkpoints): activation_checkpointing true/false is recompute "full"/"none"."""
+    values = dict(values)  # a copy: the caller's block stays as it was
     if "activation_checkpointing" not in values:
         return values
-    values = dict(values)
     legacy = values.pop("activation_checkpointing")
     _require(isinstance(legacy, bool), f"{where}.activation_checkpointing must be true or false, got {legacy!r} "
                                        f"(it is now {where}.recompute: \"full\" or \"none\")")

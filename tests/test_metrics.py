@@ -120,3 +120,61 @@ def test_flops_count_every_matmul_weight_of_the_real_block(name):
     s, h, layers, vocab = config.seq_length, config.hidden_size, config.num_layers, config.padded_vocab_size(1)
     per_token = 6 * (layers * matmul_weights + h * vocab) + 3 * 4 * s * h * layers
     assert flops_per_iteration(config, 16, 1, recompute=False) == pytest.approx(16 * s * per_token, rel=1e-12)
+
+
+# 530B (Smith et al. 2022): B 1920, s 2048, l 105, h 20480, V 51200 (padded at TP 8), TP 8 x PP 35 (3 blocks a stage)
+B, S, L, H, V = 1920, 2048, 105, 20480, 51200
+MODEL_FLOPS = 72 * B * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))  # 1.2697e19
+BLOCK_FORWARD = B * S * (24 * H**2 + 4 * S * H)  # one forward of one block, the whole batch
+CORE_FORWARD = B * S * 4 * S * H  # the attention core of one block: QK^T and the weighted sum of V
+
+
+@pytest.mark.parametrize("recompute, recomputed", [("none", 0), ("selective", L * CORE_FORWARD),
+                                                   ("full", L * BLOCK_FORWARD)])
+def test_hardware_flops_add_what_each_mode_recomputes(recompute, recomputed):
+    from model.config import preset
+    from training.metrics import flops_per_iteration, model_flops_per_iteration
+
+    config = preset("530b", recompute=recompute)
+    assert model_flops_per_iteration(config, B, 8) == pytest.approx(MODEL_FLOPS, rel=1e-12)
+    assert flops_per_iteration(config, B, 8, pipeline_parallel_size=35) == pytest.approx(MODEL_FLOPS + recomputed,
+                                                                                          rel=1e-12)
+
+
+def test_full_recompute_is_narayanans_96():
+    from model.config import preset
+    from training.metrics import flops_per_iteration
+
+    expected = 96 * B * S * L * H**2 * (1 + S / (6 * H) + V / (16 * L * H))
+    assert flops_per_iteration(preset("530b"), B, 8) == pytest.approx(expected, rel=1e-12)
+    # the old booleans still mean full and none
+    assert flops_per_iteration(preset("530b"), B, 8, recompute=True) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_iteration(preset("530b"), B, 8, recompute=False) == pytest.approx(MODEL_FLOPS, rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute, block", [("selective", CORE_FORWARD), ("full", BLOCK_FORWARD)])
+def test_recompute_num_layers_scales_the_recomputed_flops(recompute, block):
+    """n blocks of each of the 35 stages recompute: 35 n of the 105."""
+    from model.config import preset
+    from training.metrics import flops_per_iteration
+
+    for n in (1, 2, 3):
+        config = preset("530b", recompute=recompute, recompute_num_layers=n)
+        assert flops_per_iteration(config, B, 8, pipeline_parallel_size=35) == pytest.approx(
+            MODEL_FLOPS + 35 * n * block, rel=1e-12)
+    with pytest.raises(ValueError, match="pass pipeline_parallel_size"):
+        flops_per_iteration(preset("530b", recompute=recompute, recompute_num_layers=1), B, 8)
+
+
+@pytest.mark.parametrize("recompute, hfu_over_mfu", [("none", 1.0), ("selective", 1.00545), ("full", 1.33268)])
+def test_hfu_and_mfu_by_mode(recompute, hfu_over_mfu):
+    """At 60 s per iteration on 4480 A100s: MFU from model FLOPs (15.1%, whatever is recomputed), HFU from what the
+    GPUs computed (selective: + 4 s h of 24 h^2 + 4 s h per block forward, full: a whole forward more)."""
+    from model.config import preset
+    from training.metrics import flops_per_iteration, mfu, model_flops_per_iteration, tflops_per_gpu
+
+    config = preset("530b", recompute=recompute)
+    model = mfu(tflops_per_gpu(model_flops_per_iteration(config, B, 8), 60.0, 4480), 312.0)
+    hardware = mfu(tflops_per_gpu(flops_per_iteration(config, B, 8), 60.0, 4480), 312.0)
+    assert model == pytest.approx(MODEL_FLOPS / (60 * 4480 * 312e12), rel=1e-12) == pytest.approx(0.1514, abs=1e-4)
+    assert hardware / model == pytest.approx(hfu_over_mfu, rel=1e-5)

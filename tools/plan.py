@@ -4,9 +4,12 @@
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 280,350,420,560
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 280,420 --iteration-seconds 60.1,44.4  # measured
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 70 --gpu h100-80gb --matmul-efficiency 0.5 --json
+    python tools/plan.py --ds_config ds_configs/530b.json --nodes 280 --search          # the fastest layouts that fit
 
 Results only on stdout (the tables, or JSON with --json); warnings, DeepSpeed's included, on stderr.
-Exit status 0 when every plan is possible; 1 with the reason on stderr when one is not (DP not a whole number, a full
+--search enumerates layouts at one node count (TP, PP, micro-batch, sequence parallelism, recompute mode and blocks)
+and prints the --top fastest that fit (predicted full-batch iteration time), or them as JSON with --json.
+Exit status 0 when every plan is possible (with --search: when a layout fits); 1 with the reason on stderr when one is not (DP not a whole number, a full
 batch that does not split into micro-batches x DP, memory exceeded) or the input is invalid. Ramp sizes that do not
 split are a warning with a ramp that would. The formulas, constants and the --json schema: training/planner.py.
 """
@@ -29,8 +32,11 @@ from training.planner import (
     format_comparison,
     format_header,
     format_plan,
+    format_search,
     plan_cluster,
     report_to_dict,
+    search_layouts,
+    search_to_dict,
 )
 
 HARDWARE_FLAGS = {  # flag -> Hardware field
@@ -65,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iteration-seconds", help="measured full-batch iteration times, one per node count "
                         "(comma-separated): report their TFLOP/s per GPU and MFU")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (schema: training/planner.py)")
+    parser.add_argument("--search", action="store_true", help="at one node count, try every layout (TP, PP, "
+                        "micro-batch, sequence parallelism, recompute) and rank those that fit by iteration time")
+    parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print (10)")
     for flag, name in HARDWARE_FLAGS.items():
         parser.add_argument(flag, type=float, dest=name, help=f"override the preset: {_field_help(Hardware, name)}")
     for flag, name in ASSUMPTION_FLAGS.items():
@@ -108,6 +117,19 @@ def parse_iteration_seconds(text: str | None, nodes: list[int]) -> list[float | 
     return seconds
 
 
+def search(args: argparse.Namespace, config, nodes: list[int], hardware: Hardware, assumptions: Assumptions) -> int:
+    if len(nodes) != 1:
+        raise ValueError(f"--search takes one node count, got --nodes {args.nodes}")
+    tried, results = search_layouts(config, nodes[0], hardware, assumptions)
+    if args.json:
+        print(json.dumps(search_to_dict(config, nodes[0], hardware, assumptions, tried, results, args.top), indent=1))
+    else:
+        print(format_search(config, nodes[0], hardware, tried, results, args.top))
+    if not results:
+        print(f"error: no layout of {tried} fits at {nodes[0]} nodes", file=sys.stderr)
+    return 0 if results else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     deepspeed_logs_to_stderr()  # counting the stages imports DeepSpeed, whose logger writes to stdout
@@ -118,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         hardware = hardware_from_args(args)
         assumptions = Assumptions(**{name: getattr(args, name) for name in ASSUMPTION_FLAGS.values()},
                                   attention_scores=args.attention_scores)
+        if args.search:
+            return search(args, config, nodes, hardware, assumptions)
         parameters = count_parameters(config)
         plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds)
                  for n, seconds in zip(nodes, measured, strict=True)]

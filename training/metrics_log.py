@@ -19,7 +19,8 @@ CONSOLE_FIELDS = [
     ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
     ("skipped_steps", "skipped {}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
-    ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("peak_memory_gib", "peak {:.1f} GiB"),
+    ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("hfu", "HFU {:.1%}"),
+    ("peak_memory_gib", "peak {:.1f} GiB"),
 ]
 
 

@@ -19,45 +19,78 @@ What DeepSpeed 0.19.8 does (read from its source, runtime/engine.py ``_do_optimi
     buffer (default 5e8 elements) and a reduce (volume of a reduce-scatter) instead of the all-reduce.
     The tied word embedding lives on the first and last stage; its fp32 gradient is all-reduced between the two.
     With TP > 1 a stage sends 1/t of its output per TP rank (``pipeline.pipe_partitioned``, default on) and the
-    receiver all-gathers it over the TP group.
+    receiver all-gathers it over the TP group. With sequence parallelism (SP) the engine turns pipe_partitioned off
+    (training/engine.py): each TP rank sends its own sequence shard, 1/t of the tensor, and nothing is rebuilt.
 
 Memory of stage i
     weights + grads + accumulation buffer + master + Adam       as above
     activations = held x per_micro_batch + working_set, held = min(p - i, m) (a 1F1B stage keeps the micro-batches
         whose backward has not run: DeepSpeed's ``TrainSchedule.num_pipe_buffers``).
-        Per layer and micro-batch, Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2-4), 16-bit activations, 1-byte
-        dropout masks: s b h (34 + 5 a s / h) at t = 1; with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t));
-        with sequence parallelism s b h (34 + 5 a s / h) / t (not used by this project's layers). The 5 a s / h
-        term is the s x s attention scores (softmax output, dropout mask, dropout output). By default
-        (Assumptions.attention_scores "recomputed") it is dropped: the model calls F.scaled_dot_product_attention
-        with is_causal=True and no mask (model/gpt.py), which on CUDA runs a fused flash or memory-efficient kernel
-        that keeps q, k, v, the output and a row's softmax statistics (4 a s b / t bytes, fp32: 0.02% of the rest at
-        530B, left out) and recomputes the scores in the backward: s b h (10 + 24 / t). "stored" keeps the term
-        (the unfused math kernel: an explicit mask, or a head dimension neither fused kernel takes).
-        Full recompute (activation checkpointing of every block): a layer keeps only its input, 2 s b h, and one
-        layer's full set is alive while it is recomputed (the working set). Each held micro-batch also keeps the
-        stage's output (2 s b h, DeepSpeed's pipe buffer); the last stage adds its head once: final LayerNorm and
-        head inputs 4 s b h and the fp32 logits 4 s b V / t. fp32 activations scale all of it by 2.
-    pipeline buffers: the received activation and gradient, 2 x 2 s b h.
+        Per block and micro-batch: what THIS implementation keeps for the backward (``layer_stored_tensors``, one row
+        per tensor, each with the recompute modes that keep it), in the model dtype (e bytes: 2 bf16, 4 fp32), per
+        token, with u = 1/t with SP (outside the TP matmuls a rank holds s/t positions) and 1 without, f the FFN,
+        q the QKV rows (3h multi-head):
+          "none": 4 h u (the block output, ln1 output, attention residual sum = ln2 input, ln2 output) + q/t (the
+            QKV output; q, k, v are views of it) + h/t (the attention output, the dense layer's input) + 2 f/t (fc1
+            output and GeLU output); fp32 extras: LayerNorm mean and rstd, 2 norms x 2 x 4 u bytes, and the fused
+            SDPA's logsumexp, 4 a/t bytes. GPT: 16 h at t = 1, 16 h / t with SP. The fused kernels (flash, memory-
+            efficient; CPU's flash too) write their output in (b, s, a, d) layout, so with q a view of the QKV output
+            the dense layer's input, transpose(1, 2).reshape, is a view of the SDPA output, not a copy (measured with
+            saved-tensor hooks on the tiny GPT, CPU fp32: 15.125 h per token besides the block's input).
+          "selective" (the attention core checkpointed, model/gpt.py SelfAttention.core): the same minus the SDPA
+            logsumexp, and the SDPA output when the query is a copy (below); with the GPT shape that is all it saves:
+            the dense layer still keeps the core's output, of which its input is a view. With the scores stored
+            (below) it drops the s x s terms too: that is where selective matters (Korthikanti et al.'s 5 a s^2 b).
+          "full": the block output only, e h u (its input is the previous block's output), and while one block is
+            recomputed its whole "none" set is alive once (the working set; "selective": the recomputed core).
+        Derived from the code, not measured, for the Llama shapes: RMSNorm keeps its normalised x (e h u), its
+        rsqrt (4 u bytes) and, in 16-bit, the fp32 copy of its input (4 h u bytes), per norm; SwiGLU 4 f/t (gate_up
+        output 2 f/t, silu output, the product); with GQA (flatten copies the query) or RoPE (rotates it) SDPA keeps
+        a query of its own, h/t, and its contiguous (b, a, s, d) output needs a transposed copy for the dense layer
+        (h/t more, which selective drops); RoPE keeps the rotated keys, g d/t, and cos and sin, 2 s d per block
+        (x cos + rotate_half(x) sin keeps only those, the factors without a gradient). With hidden_dropout > 0:
+        two bool masks (CUDA's native_dropout), 2 h u bytes, and the embedding's, h u, on the first stage. The
+        fused CUDA kernels take the attention dropout without a mask (they regenerate it from the RNG state), so
+        attention_dropout adds nothing unless the scores are stored.
+        Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2-4) for reference: s b h (34 + 5 a s / h) bytes at t = 1,
+        16-bit, with dropout masks; s b h (10 + 24 / t + 5 a s / (h t)) with TP; (34 + 5 a s / h) / t with SP. Their
+        5 a s / h term (softmax output, dropout mask and output, 5 a s^2 b / t bytes) is what Assumptions
+        .attention_scores "stored" adds in place of the logsumexp and SDPA output, the unfused math kernel (an
+        explicit mask, or a head dimension neither fused kernel takes); "recomputed" (default) leaves it out.
+        recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
+        Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
+        the last stage adds its head once: the final norm's output (the head's input) and statistics, and the
+        logits and their gradient in the model dtype, 2 e s b V / t (the loss works in fp32 chunks).
+    pipeline buffers: the received activation and gradient, 2 x e s b h (x 1/t with SP).
     DP reduce buffer: the transient bf16 copy of the gradients (BF16_Optimizer) or the ZeRO reduce bucket; it exists
         after the last backward, when the activations are gone, so the peak takes the larger of the two.
     framework allowance: CUDA context, NCCL's own buffers, allocator fragmentation (an assumption, see Assumptions).
 
 Time of one iteration at global batch B
     A micro-batch slot of stage i (forward + backward, recompute included):
-        compute      = FLOPs_i / (peak x matmul_efficiency); FLOPs_i = layers_i 96 b s h^2 (1 + s/(6h)) / t
-                       (72 without recompute; Narayanan et al. 2021 eq. 3 per layer) + 6 b s h V / t on the last stage
-                       (the logits, never recomputed). Summed over stages, micro-batches and DP this is exactly
-                       training.metrics.flops_per_iteration.
-        tensor_parallel = (4 + 2 if recompute) all-reduces of 2 s b h per layer (+1 for the vocab-parallel embedding
-                       on the first stage, +1 for the head's input gradient on the last), a ring over t ranks.
-        pipeline_p2p = 4 blocking transfers of 2 s b h / t (receive/send activation, receive/send gradient; 2 on the
-                       first and last stage) and an all-gather over TP to rebuild each received tensor.
+        compute      = FLOPs_i / (peak x matmul_efficiency); FLOPs_i = b s (3 layers_i F_layer + r_i F_recompute +
+                       6 h V [last stage]) / t, F_layer = training.metrics.layer_forward_flops_per_token (24 h^2 +
+                       4 s h for GPT: Narayanan et al. 2021 eq. 3 per layer), r_i the stage's recomputing blocks
+                       and F_recompute = F_layer ("full": one more forward), 4 s h ("selective": the attention
+                       core's forward), 0 ("none"). Summed over stages, micro-batches and DP this is exactly
+                       training.metrics.flops_per_iteration (hardware FLOPs).
+        tensor_parallel = 4 all-reduces of e s b h per block (2 forward, 2 backward), + 2 per fully recomputed
+                       block (its forward's, rerun in the backward; selective reruns none), +1 for the vocab-
+                       parallel embedding on the first stage, +1 for the head's input gradient on the last; a ring
+                       over t ranks. With SP each all-reduce becomes an all-gather and a reduce-scatter (the same
+                       ring volume), and each column-parallel layer, which keeps its input's sequence shard, all-
+                       gathers it again in the backward for its weight gradient: + half an all-reduce's volume for
+                       each of the 2 per block and for the head.
+        pipeline_p2p = 4 blocking transfers of e s b h / t (receive/send activation, receive/send gradient; 2 on the
+                       first and last stage) and, with pipe_partitioned and no SP, an all-gather over TP to rebuild
+                       each received tensor; with SP the shard is the tensor, nothing to rebuild.
         gradient_accumulation (BF16_Optimizer) = 12 N_i bytes of HBM traffic (zero the bf16 grads, read them, read
                        and write the fp32 buffer).
     The 1F1B pipeline runs (m + p - 1) slots of the slowest stage: m slots of work and p - 1 of bubble, a bubble
     fraction of (p - 1) / m. Then, not overlapped, on stage 0 (which ends last and holds most parameters):
-    the tied-embedding all-reduce (4 V h / t bytes, 2 ranks), the DP gradient reduction, the optimizer step
+    the tied-embedding all-reduce (4 V h / t bytes, 2 ranks), with SP the TP all-reduce of the replicated
+    parameters' partial gradients (norms, row-parallel biases, the position table; fp32 under BF16_Optimizer), the
+    DP gradient reduction, the optimizer step
     (HBM: Adam reads and writes master, m, v and reads the gradient, 28 N_i / d, writes the weights, weight_bytes N_i
     / d, and BF16_Optimizer casts the buffer for the reduce and back and zeroes it, 16 N_i), and the ZeRO-1
     all-gather. Ring volumes: all-reduce 2 (n - 1) / n x bytes, all-gather and reduce-scatter (n - 1) / n x bytes,
@@ -65,8 +98,19 @@ Time of one iteration at global batch B
     ranks next to each other, DP ranks TP apart and pipeline stages TP x DP apart, so TP uses NVLink when t <= GPUs
     per node, DP when t d <= GPUs per node, p2p when the whole pipeline fits in a node; otherwise InfiniBand, one
     HCA per GPU (for the 530B layout: TP on NVLink, DP and p2p on InfiniBand).
-    TFLOP/s per GPU = training.metrics.flops_per_iteration / (seconds x GPUs) (recompute counted, as the paper does);
-    "mfu" is that over the peak (the definition the trainer logs), "mfu_without_recompute" uses the 72 factor.
+    TFLOP/s per GPU = hardware FLOPs (training.metrics.flops_per_iteration, the configured recompute counted, as the
+    MT-NLG paper counts) / (seconds x GPUs), "hfu" that over the peak; "mfu" = model FLOPs (training.metrics
+    .model_flops_per_iteration: 3 forwards' worth, no recompute, PaLM's definition) / (seconds x GPUs x peak). The
+    trainer logs the same three.
+
+Search (``search_layouts``, tools/plan.py --search, one node count)
+    TP in 1 .. GPUs per node dividing the heads, key/value heads and FFN; PP dividing the layers with TP x PP
+    dividing the GPUs; micro-batch 1, 2, 4, 8 where micro-batch x DP divides the full batch; SP off, and on when
+    TP > 1 and TP divides the sequence; recompute "none", and "selective" and "full" on all blocks of each stage or
+    on n of them (every n when a stage has <= 8 blocks, else 7 spread). The layouts that fit are ranked by their
+    predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
+    of one DP size). Parameters are counted once per (TP, PP); stages 0, 1 and the last stand for all (the middle
+    stages repeat stage 1 with fewer micro-batches held).
 
 Whole training
     time = integral over tokens of seconds(batch(t)) / (batch(t) s): each ramp segment's tokens at its batch size's
@@ -92,11 +136,14 @@ JSON (``tools/plan.py --json``): one object
         (null if not whole), micro_batch_size, global_batch_size, micro_batches, errors: [str], warnings: [str],
         ramp: {start, increment, end, ramp_tokens, suggested} | null,
         memory: [per stage: StageMemory fields, bytes, plus total, margin, fits],
-        flops: {first_batch, full_batch, first_batch_recompute, full_batch_recompute, first_batch_no_recompute,
-            full_batch_no_recompute} (the plain keys follow the config's activation_checkpointing),
-        first_batch, full_batch: IterationTime fields (seconds; micro_batch: MicroBatchTime of the slowest stage),
-        training: TrainingTime fields, measured: {iteration_seconds, tflops_per_gpu, mfu, mfu_without_recompute,
+        flops: {first_batch, full_batch (hardware FLOPs, the configured recompute counted), first_batch_model,
+            full_batch_model (model FLOPs, no recompute)},
+        first_batch, full_batch: IterationTime fields (seconds; micro_batch: MicroBatchTime of the slowest stage;
+            tflops_per_gpu and hfu from hardware FLOPs, mfu from model FLOPs),
+        training: TrainingTime fields, measured: {iteration_seconds, tflops_per_gpu, model_tflops_per_gpu, hfu, mfu,
             predicted_over_measured} | null}]
+    --search --json: {config, nodes, gpus, gpu, assumptions, ranked_by, layouts_tried, layouts_fitting, best,
+        layouts: [Layout fields + peak_memory_bytes, peak_memory_gib, iteration_seconds, tflops_per_gpu, hfu, mfu]}
     Bytes are integers, times seconds, FLOPs floats. An impossible plan has errors and null figures where they
     cannot be computed.
 """
@@ -115,7 +162,13 @@ from model.config import ModelConfig
 from model.gpt import FINAL_NORMS
 from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
 from training.config import RunConfig
-from training.metrics import flops_per_iteration, layer_forward_flops_per_token, tflops_per_gpu
+from training.metrics import (
+    flops_per_iteration,
+    layer_forward_flops_per_token,
+    model_flops_per_iteration,
+    recompute_flops_per_token,
+    tflops_per_gpu,
+)
 from training.schedules import BatchRamp
 
 GIB = 2**30
@@ -242,7 +295,8 @@ def deepspeed_layout(config: RunConfig) -> DeepSpeedLayout:
     accumulation = _dtype(ds.get("data_types", {}).get("grad_accum_dtype") or precision)
     communication = _dtype(ds.get("communication_data_type") or precision)
     weight = DTYPE_BYTES[precision]
-    partitioned = bool(ds.get("pipeline", {}).get("pipe_partitioned", True))
+    # with SP the engine turns pipe_partitioned off (each TP rank sends its own sequence shard: training/engine.py)
+    partitioned = bool(ds.get("pipeline", {}).get("pipe_partitioned", True)) and not config.parallelism.sequence_parallel
     if precision == "bf16" and accumulation == "fp32":
         return DeepSpeedLayout("BF16_Optimizer", weight, weight, 4, 0, DTYPE_BYTES[communication], 0, partitioned)
     bucket = int(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_ELEMENTS))
@@ -282,16 +336,82 @@ def hidden_tensor_bytes(model: ModelConfig, micro_batch: int) -> int:
 # -------------------------------------------------------------------------------------------------------- memory
 
 
-def layer_activation_bytes(seq_length: int, micro_batch: int, hidden: int, heads: int, tensor_parallel_size: int,
-                           sequence_parallel: bool = False, attention_scores_stored: bool = False) -> float:
-    """Bytes one transformer layer stores for its backward, per micro-batch (Korthikanti et al. 2022, eq. 2-4),
-    by default without the s x s scores, which the fused kernel the model runs does not keep (module docstring)."""
-    sbh = seq_length * micro_batch * hidden
-    # softmax output, dropout mask and dropout output: 5 a s^2 b bytes, none with a fused attention kernel
-    attention_scores = 5.0 * heads * seq_length / hidden if attention_scores_stored else 0.0
-    if sequence_parallel:
-        return sbh * (34.0 + attention_scores) / tensor_parallel_size
-    return sbh * (10.0 + 24.0 / tensor_parallel_size + attention_scores / tensor_parallel_size)
+ALL_MODES = ("none", "selective", "full")
+STORING_MODES = ("none", "selective")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One row of what a block keeps for its backward: bytes per token of the micro-batch, and the recompute modes
+    that keep it."""
+
+    name: str
+    bytes_per_token: float
+    modes: tuple[str, ...]
+
+
+def _norm_rows(model: ModelConfig, replicated: float, what: str) -> list[StoredTensor]:
+    """What one norm keeps besides its input and output. ``replicated`` is h u, the norm's width on this rank."""
+    dtype = DTYPE_BYTES[model.precision]
+    if model.norm == "layernorm":  # native_layer_norm: the mean and 1/std of each position, fp32
+        return [StoredTensor(f"{what}: mean and rstd (fp32)", 2 * 4 * replicated / model.hidden_size, STORING_MODES)]
+    rows = [StoredTensor(f"{what}: rsqrt (fp32) and the normalised x (model dtype)",
+                         4 * replicated / model.hidden_size + dtype * replicated, STORING_MODES)]
+    if dtype != 4:  # RMSNorm computes in fp32: x.float() is a new tensor, kept by pow and by the mul
+        rows.append(StoredTensor(f"{what}: the fp32 copy of its input", 4 * replicated, STORING_MODES))
+    return rows
+
+
+def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
+                         attention_scores_stored: bool = False, micro_batch: int = 1) -> list[StoredTensor]:
+    """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
+    micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
+    layer_activation_bytes (module docstring)."""
+    h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
+    dtype = DTYPE_BYTES[model.precision]
+    u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
+    replicated, heads = h * u, model.num_attention_heads / t
+    kv = model.num_key_value_heads * model.head_dim / t
+    query_copied = model.queries_per_key_value_head > 1 or model.position_embedding == "rope"
+    rows = [
+        StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
+        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES),
+        *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
+        StoredTensor("QKV output (q, k, v are views of it)", dtype * model.qkv_size / t, STORING_MODES),
+    ]
+    if query_copied:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
+        rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * h / t, STORING_MODES))
+    if model.position_embedding == "rope":  # the rotated keys; x cos and rotate_half(x) sin keep cos and sin only
+        rows += [StoredTensor("rotated keys", dtype * kv, STORING_MODES),
+                 StoredTensor("RoPE cos and sin, (s, d) each per block", 2 * dtype * model.head_dim / micro_batch,
+                              STORING_MODES)]
+    rows.append(StoredTensor("attention output, the dense layer's input", dtype * h / t, STORING_MODES))
+    if attention_scores_stored:  # Korthikanti et al.: softmax output, dropout mask, dropout output (5 a s^2 b / t)
+        rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * dtype / 2,
+                                 ("none",)))
+    else:  # the fused kernel keeps its output and one fp32 statistic per row and head
+        rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
+        if query_copied:  # the output of a contiguous query is (b, a, s, d): the dense input is a transposed copy
+            rows.append(StoredTensor("SDPA output", dtype * h / t, ("none",)))
+    if model.mlp == "swiglu":
+        rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
+    else:
+        rows.append(StoredTensor("fc1 output (GeLU input), GeLU output", dtype * 2 * f / t, STORING_MODES))
+    if model.hidden_dropout > 0:  # CUDA's native_dropout keeps a bool mask
+        rows.append(StoredTensor("hidden dropout masks (bool)", 2 * replicated, STORING_MODES))
+    return rows
+
+
+def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int, *,
+                           sequence_parallel: bool, recompute: str, attention_scores_stored: bool = False) -> float:
+    """Bytes one block keeps for its backward per micro-batch, its output counted ("full": the output alone, h u
+    per token), by default without the s x s scores, which the fused kernel the model runs does not keep."""
+    if recompute not in ALL_MODES:
+        raise ValueError(f"recompute must be one of {ALL_MODES}, got {recompute!r}")
+    rows = layer_stored_tensors(model, tensor_parallel_size, sequence_parallel=sequence_parallel,
+                                attention_scores_stored=attention_scores_stored, micro_batch=micro_batch)
+    tokens = model.seq_length * micro_batch
+    return tokens * sum(row.bytes_per_token for row in rows if recompute in row.modes)
 
 
 def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: int) -> int:
@@ -299,33 +419,46 @@ def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: i
     return min(pipeline_parallel_size - stage, micro_batches)
 
 
+def recomputing_blocks(model: ModelConfig, count: StageCount, recompute: str) -> int:
+    """Blocks of this stage that recompute: its first recompute_num_layers, or all of them (0 with "none")."""
+    blocks = transformer_layers(count)
+    if recompute == "none":
+        return 0
+    return blocks if model.recompute_num_layers is None else min(model.recompute_num_layers, blocks)
+
+
 @dataclass(frozen=True)
 class StageActivations:
-    per_micro_batch_recompute: int
-    """Held per micro-batch with activation checkpointing: the layer inputs and the stage output."""
-    per_micro_batch_no_recompute: int
-    """Held per micro-batch without it: every layer's Korthikanti set and the stage output."""
-    working_set_recompute: int
-    """Alive once with checkpointing: one layer recomputed for its backward (+ the head on the last stage)."""
-    working_set_no_recompute: int
-    """Alive once without it: the head on the last stage."""
+    per_micro_batch: int
+    """Held per micro-batch: the stage's input, each block's stored set (its mode's), the embedding dropout mask."""
+    working_set: int
+    """Alive once: a recomputed block's recomputed part ("full": its whole set) and the head on the last stage."""
 
 
-def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
+def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int, *,
+                      sequence_parallel: bool = False, recompute: str | None = None,
                       attention_scores_stored: bool = False) -> StageActivations:
+    """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied."""
+    recompute = model.recompute if recompute is None else recompute
     s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
-    scale = DTYPE_BYTES[model.precision] / 2  # the formulas count 16-bit activations
-    hidden_tensor = hidden_tensor_bytes(model, b)
-    layer = layer_activation_bytes(s, b, h, model.num_attention_heads, t,
-                                   attention_scores_stored=attention_scores_stored) * scale
-    layers = transformer_layers(count)
-    first_stage_mask = s * b * h if "PositionEmbedding" in count.layers and model.hidden_dropout > 0 else 0
-    # the last stage's head: final LayerNorm and head inputs, and the fp32 logits of this rank's vocabulary slice
-    head = 2 * hidden_tensor + 4 * s * b * model.padded_vocab_size(t) / t if holds_head(count) else 0
-    return StageActivations(
-        per_micro_batch_recompute=int(layers * hidden_tensor + hidden_tensor + first_stage_mask),
-        per_micro_batch_no_recompute=int(layers * layer + hidden_tensor + first_stage_mask),
-        working_set_recompute=int((layer if layers else 0) + head), working_set_no_recompute=int(head))
+    u = 1.0 / t if sequence_parallel else 1.0
+    dtype = DTYPE_BYTES[model.precision]
+
+    def layer(mode: str) -> float:
+        return layer_activation_bytes(model, b, t, sequence_parallel=sequence_parallel, recompute=mode,
+                                      attention_scores_stored=attention_scores_stored)
+
+    blocks, recomputing = transformer_layers(count), recomputing_blocks(model, count, recompute)
+    stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
+    stage_input = hidden_tensor_bytes(model, b) * u
+    first_stage_mask = s * b * h * u if count.stage == 0 and model.hidden_dropout > 0 else 0
+    recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
+    head = 0.0
+    if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
+        norm = s * b * sum(row.bytes_per_token for row in _norm_rows(model, h * u, "final norm"))
+        head = dtype * s * b * h * u + norm + 2 * dtype * s * b * model.padded_vocab_size(t) / t
+    return StageActivations(per_micro_batch=int(stored + stage_input + first_stage_mask),
+                            working_set=int(recomputed + head))
 
 
 @dataclass(frozen=True)
@@ -347,14 +480,17 @@ class StageMemory:
     adam_states: int
     """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1)."""
     micro_batches_held: int
-    activations_per_micro_batch_recompute: int
-    activations_per_micro_batch_no_recompute: int
-    activations_recompute: int
-    """held x per micro-batch + working set, with activation checkpointing."""
-    activations_no_recompute: int
-    """The same without it."""
+    activations_per_micro_batch: int
+    """Per micro-batch in the configured recompute mode (StageActivations)."""
+    activations_working_set: int
     activations: int
-    """The one in force (model.recompute == "full")."""
+    """held x per micro-batch + working set: the configured mode (model.recompute, recompute_num_layers)."""
+    activations_none: int
+    """The same without recompute ..."""
+    activations_selective: int
+    """... with selective recompute (the config's recompute_num_layers) ..."""
+    activations_full: int
+    """... and with full recompute: the three side by side."""
     pipeline_buffers: int
     reduce_buffer: int
     framework_allowance: int
@@ -378,22 +514,26 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
                  micro_batches: int, hardware: Hardware, assumptions: Assumptions) -> StageMemory:
     model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    act = stage_activations(model, count, config.micro_batch_size, tp, assumptions.attention_scores_stored)
     held = micro_batches_held(count.stage, pp, micro_batches)
-    with_recompute = held * act.per_micro_batch_recompute + act.working_set_recompute
-    without = held * act.per_micro_batch_no_recompute + act.working_set_no_recompute
+    by_mode = {mode: stage_activations(model, count, config.micro_batch_size, tp,
+                                       sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
+                                       attention_scores_stored=assumptions.attention_scores_stored)
+               for mode in ALL_MODES}
+    totals = {mode: held * act.per_micro_batch + act.working_set for mode, act in by_mode.items()}
+    act = by_mode[model.recompute]
     hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size)
     reduce_buffer = (layout.communication_bytes * n if layout.optimizer == "BF16_Optimizer"
                      else layout.reduce_bucket_elements * layout.grad_bytes)
+    # the received activation and gradient: the sequence shard with SP, else the whole tensor
+    received = hidden_tensor / tp if config.parallelism.sequence_parallel else hidden_tensor
     return StageMemory(
         stage=count.stage, parameters=n, weights=layout.weight_bytes * n, gradients=layout.grad_bytes * n,
         gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=layout.partition_grad_bytes * n // d,
         master_weights=4 * n // d, adam_states=8 * n // d, micro_batches_held=held,
-        activations_per_micro_batch_recompute=act.per_micro_batch_recompute,
-        activations_per_micro_batch_no_recompute=act.per_micro_batch_no_recompute,
-        activations_recompute=with_recompute, activations_no_recompute=without,
-        activations=with_recompute if model.recompute == "full" else without,
-        pipeline_buffers=2 * hidden_tensor if pp > 1 else 0, reduce_buffer=reduce_buffer if d > 1 else 0,
+        activations_per_micro_batch=act.per_micro_batch, activations_working_set=act.working_set,
+        activations=totals[model.recompute], activations_none=totals["none"],
+        activations_selective=totals["selective"], activations_full=totals["full"],
+        pipeline_buffers=int(2 * received) if pp > 1 else 0, reduce_buffer=reduce_buffer if d > 1 else 0,
         framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB))
 
 
@@ -449,13 +589,15 @@ def holds_head(count: StageCount) -> bool:
 
 
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
-                                recompute: bool) -> float:
-    """FLOPs of one micro-batch's forward and backward on one GPU of the stage (module docstring)."""
+                                recompute: str | None = None) -> float:
+    """Hardware FLOPs of one micro-batch's forward and backward on one GPU of the stage, the forwards that
+    ``recompute`` (default: the config's mode) reruns included (module docstring)."""
+    recompute = model.recompute if recompute is None else recompute
     s, h, t = model.seq_length, model.hidden_size, tensor_parallel_size
-    passes = 4.0 if recompute else 3.0
-    layers = passes * micro_batch * s * layer_forward_flops_per_token(model) * transformer_layers(count)
-    logits = 6.0 * micro_batch * s * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
-    return (layers + logits) / t
+    layers = 3.0 * layer_forward_flops_per_token(model) * transformer_layers(count)
+    layers += recompute_flops_per_token(model, recompute) * recomputing_blocks(model, count, recompute)
+    logits = 6.0 * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
+    return micro_batch * s * (layers + logits) / t
 
 
 @dataclass(frozen=True)
@@ -474,21 +616,33 @@ class MicroBatchTime:
                            self.compute + self.tensor_parallel + self.pipeline_p2p + self.gradient_accumulation)
 
 
+def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> float:
+    """All-reduces of one (b, s, h) tensor over TP per micro-batch on this stage; with sequence parallelism the same
+    ring volume in all-gathers and reduce-scatters, one of each per all-reduce (module docstring)."""
+    blocks = transformer_layers(count)
+    rerun = recomputing_blocks(model, count, "full") if model.recompute == "full" else 0
+    # each column-parallel layer keeps its input's sequence shard: its backward all-gathers it again (half an
+    # all-reduce's volume; 2 per block, 1 for the head)
+    regather = (blocks + 0.5 * holds_head(count)) if sequence_parallel else 0.0
+    return 4.0 * blocks + 2.0 * rerun + regather + (count.stage == 0) + holds_head(count)
+
+
 def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, rates: Rates) -> MicroBatchTime:
     model, b = config.model, config.micro_batch_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    recompute = model.recompute == "full"
+    sequence_parallel = config.parallelism.sequence_parallel and tp > 1
     hidden_tensor = hidden_tensor_bytes(model, b)
-    all_reduces = transformer_layers(count) * (6 if recompute else 4)
-    all_reduces += ("PositionEmbedding" in count.layers) + holds_head(count)
+    all_reduces = tensor_parallel_all_reduces(model, count, sequence_parallel)
     transfers = 0 if pp == 1 else 2 * ((count.stage > 0) + (count.stage < pp - 1))
-    piece = hidden_tensor / tp if layout.pipe_partitioned else hidden_tensor
-    rebuild = ring_all_gather_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s) if layout.pipe_partitioned \
-        else 0.0
+    # with SP each rank sends its own sequence shard (pipe_partitioned is off); else 1/t and a TP all-gather when
+    # DeepSpeed partitions the transfer, the whole tensor when it does not
+    piece = hidden_tensor / tp if sequence_parallel or layout.pipe_partitioned else hidden_tensor
+    rebuild = ring_all_gather_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s) \
+        if layout.pipe_partitioned and not sequence_parallel else 0.0
     accumulation_bytes = 12 * count.parameters_per_tp_rank if layout.optimizer == "BF16_Optimizer" else 0
     return MicroBatchTime(
         stage=count.stage,
-        compute=stage_flops_per_micro_batch(model, count, b, tp, recompute) / rates.flops_per_s,
+        compute=stage_flops_per_micro_batch(model, count, b, tp) / rates.flops_per_s,
         tensor_parallel=all_reduces * ring_all_reduce_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s),
         pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
         gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s)
@@ -514,12 +668,18 @@ class IterationTime:
     data_parallel_reduce: float
     optimizer_step: float
     zero_allgather: float
+    sequence_parallel_reduce: float
     seconds: float
     flops: float
-    """training.metrics.flops_per_iteration (recompute as configured)."""
+    """Hardware FLOPs: training.metrics.flops_per_iteration (the configured recompute counted)."""
+    model_flops: float
+    """Model FLOPs: training.metrics.model_flops_per_iteration (3 forwards' worth, no recompute)."""
     tflops_per_gpu: float
+    """Hardware FLOPs per second per GPU (what the trainer logs as tflops_per_gpu)."""
+    hfu: float
+    """tflops_per_gpu / peak: hardware FLOPs utilisation."""
     mfu: float
-    """tflops_per_gpu / peak (the trainer's definition)."""
+    """Model FLOPs per second per GPU / peak: PaLM's MFU, no recompute counted (the trainer's "mfu")."""
 
 
 @dataclass(frozen=True)
@@ -530,6 +690,17 @@ class AfterPipeline:
     data_parallel_reduce: float
     optimizer_step: float
     zero_allgather: float
+    sequence_parallel_reduce: float
+    """With SP: the TP all-reduce of the replicated parameters' partial gradients (norms, row-parallel biases, the
+    position table), once per step, before the DP reduction (DeepSpeed sums them as it sums tied weights)."""
+
+
+def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
+    """Parameters of a stage that every TP rank holds whole and, with SP, gets a partial gradient of."""
+    norm = 2 * model.hidden_size if model.norm == "layernorm" else model.hidden_size
+    biases = 2 * model.hidden_size if model.other_linears_have_bias else 0
+    positions = model.max_position_embeddings * model.hidden_size if "PositionEmbedding" in count.layers else 0
+    return transformer_layers(count) * (2 * norm + biases) + positions + norm * holds_head(count)
 
 
 def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: StageCount, data_parallel_size: int,
@@ -551,7 +722,10 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
                                                       rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,
         optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
-        zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s))
+        zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s),
+        sequence_parallel_reduce=ring_all_reduce_seconds(
+            (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes) * sequence_parallel_parameters(model, first),
+            tp if config.parallelism.sequence_parallel else 1, rates.tensor_parallel_bytes_per_s))
 
 
 def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[StageCount], data_parallel_size: int,
@@ -566,11 +740,14 @@ def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[Stag
                  pipeline_p2p=m * slowest.pipeline_p2p, gradient_accumulation=m * slowest.gradient_accumulation,
                  bubble=(pp - 1) * slowest.total, **dataclasses.asdict(after))
     seconds = sum(parts.values())
-    flops = flops_per_iteration(config.model, global_batch, tp)
-    achieved = tflops_per_gpu(flops, seconds, tp * pp * data_parallel_size)
+    flops = flops_per_iteration(config.model, global_batch, tp, pipeline_parallel_size=pp)
+    model_flops = model_flops_per_iteration(config.model, global_batch, tp)
+    gpus = tp * pp * data_parallel_size
+    achieved = tflops_per_gpu(flops, seconds, gpus)
     return IterationTime(global_batch=global_batch, micro_batches=m, bubble_fraction=(pp - 1) / m,
-                         micro_batch=slowest, **parts, seconds=seconds, flops=flops, tflops_per_gpu=achieved,
-                         mfu=achieved / hardware.peak_tflops)
+                         micro_batch=slowest, **parts, seconds=seconds, flops=flops, model_flops=model_flops,
+                         tflops_per_gpu=achieved, hfu=achieved / hardware.peak_tflops,
+                         mfu=tflops_per_gpu(model_flops, seconds, gpus) / hardware.peak_tflops)
 
 
 # ----------------------------------------------------------------------------------------------- ramp and training
@@ -781,25 +958,29 @@ def _check_memory(plan: Plan, hardware: Hardware) -> None:
 
 
 def _flops(config: RunConfig, first: int, full: int) -> dict[str, float]:
+    """Hardware FLOPs (the configured recompute counted) and model FLOPs (none) at the first and the full batch."""
     model, tp = config.model, config.parallelism.tensor_parallel_size
+    pp = config.parallelism.pipeline_parallel_size
     figures = {}
     for name, batch in (("first_batch", first), ("full_batch", full)):
-        figures[name] = flops_per_iteration(model, batch, tp)
-        figures[f"{name}_recompute"] = flops_per_iteration(model, batch, tp, recompute=True)
-        figures[f"{name}_no_recompute"] = flops_per_iteration(model, batch, tp, recompute=False)
+        figures[name] = flops_per_iteration(model, batch, tp, pipeline_parallel_size=pp)
+        figures[f"{name}_model"] = model_flops_per_iteration(model, batch, tp)
     return figures
 
 
 def measured_throughput(config: RunConfig, gpus: int, iteration_seconds: float, hardware: Hardware,
                         predicted_seconds: float | None = None) -> dict[str, float]:
-    """A measured full-batch iteration: TFLOP/s per GPU (recompute counted) and MFU, as the trainer logs them."""
+    """A measured full-batch iteration: TFLOP/s per GPU and HFU (hardware FLOPs, the configured recompute counted)
+    and MFU (model FLOPs, no recompute), as the trainer logs them."""
     if iteration_seconds <= 0:
         raise ValueError(f"--iteration-seconds must be positive, got {iteration_seconds}")
     tp, batch = config.parallelism.tensor_parallel_size, config.global_batch_size
-    achieved = tflops_per_gpu(flops_per_iteration(config.model, batch, tp), iteration_seconds, gpus)
-    without = tflops_per_gpu(flops_per_iteration(config.model, batch, tp, recompute=False), iteration_seconds, gpus)
-    figures = {"iteration_seconds": iteration_seconds, "tflops_per_gpu": achieved,
-               "mfu": achieved / hardware.peak_tflops, "mfu_without_recompute": without / hardware.peak_tflops}
+    pp = config.parallelism.pipeline_parallel_size
+    achieved = tflops_per_gpu(flops_per_iteration(config.model, batch, tp, pipeline_parallel_size=pp),
+                              iteration_seconds, gpus)
+    model = tflops_per_gpu(model_flops_per_iteration(config.model, batch, tp), iteration_seconds, gpus)
+    figures = {"iteration_seconds": iteration_seconds, "tflops_per_gpu": achieved, "model_tflops_per_gpu": model,
+               "hfu": achieved / hardware.peak_tflops, "mfu": model / hardware.peak_tflops}
     if predicted_seconds:
         figures["predicted_over_measured"] = predicted_seconds / iteration_seconds
     return figures
@@ -863,6 +1044,124 @@ def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptio
             "plans": [plan_to_dict(p) for p in plans]}
 
 
+# --------------------------------------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the config on a cluster: the parallel sizes, the micro-batch and what is recomputed."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    micro_batch_size: int
+    sequence_parallel: bool
+    recompute: str
+    recompute_num_layers: int | None
+    """Blocks of each stage that recompute; None: all of them (and with recompute "none")."""
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    layout: Layout
+    peak_memory_bytes: int
+    """The peak stage's total (StageMemory.total)."""
+    fits: bool
+    full_batch: IterationTime
+
+
+def layout_config(config: RunConfig, layout: Layout) -> RunConfig:
+    """The run config with the layout's sizes, micro-batch and recompute in place of its own."""
+    model = dataclasses.replace(config.model, recompute=layout.recompute,
+                                recompute_num_layers=layout.recompute_num_layers)
+    parallelism = dataclasses.replace(config.parallelism, tensor_parallel_size=layout.tensor_parallel_size,
+                                      pipeline_parallel_size=layout.pipeline_parallel_size,
+                                      sequence_parallel=layout.sequence_parallel)
+    deepspeed = {**config.deepspeed, "train_micro_batch_size_per_gpu": layout.micro_batch_size}
+    return dataclasses.replace(config, model=model, parallelism=parallelism, deepspeed=deepspeed)
+
+
+def recompute_layer_choices(blocks_per_stage: int) -> list[int | None]:
+    """recompute_num_layers to try: every count when a stage has at most 8 blocks, else 7 spread over them;
+    None (all blocks) first."""
+    if blocks_per_stage <= 8:
+        counts = range(1, blocks_per_stage)
+    else:
+        counts = sorted({max(1, round(blocks_per_stage * k / 8)) for k in range(1, 8)})
+    return [None, *counts]
+
+
+def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """TP dividing the heads, key/value heads and FFN, up to a node; PP dividing the layers with TP x PP dividing the
+    GPUs; micro-batches 1, 2, 4, 8 that split the full batch over DP; SP on or off (on: TP > 1 and a sequence that
+    divides); recompute none, selective and full, the latter two on some or all blocks of each stage."""
+    model, batch = config.model, config.global_batch_size
+    layouts = []
+    for tp in range(1, gpus_per_node + 1):
+        if model.num_attention_heads % tp or model.num_key_value_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        for pp in (p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0 and gpus % (tp * p) == 0):
+            dp = gpus // (tp * pp)
+            for micro_batch in (m for m in (1, 2, 4, 8) if batch % (m * dp) == 0):
+                for sequence_parallel in (False, True) if tp > 1 and model.seq_length % tp == 0 else (False,):
+                    modes = [("none", None)] + [(mode, n) for mode in ("selective", "full")
+                                                for n in recompute_layer_choices(model.num_layers // pp)]
+                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n) for mode, n in modes]
+    return layouts
+
+
+def _distinct_stages(counts: list[StageCount]) -> list[StageCount]:
+    """Stages 0, 1 and the last: the middle stages repeat stage 1 with fewer micro-batches held (the blocks divide
+    evenly), so these three carry the peak memory and the slowest slot."""
+    return [counts[i] for i in sorted({0, min(1, len(counts) - 1), len(counts) - 1})]
+
+
+def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
+                   counts: Callable[[int, int], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
+    """Every candidate layout at ``nodes``: (how many were tried, those that fit, fastest full-batch iteration
+    first). ``counts(tp, pp)`` gives the stages' parameter counts (default: count_stages, once per (tp, pp))."""
+    cache: dict[tuple[int, int], list[StageCount]] = {}
+
+    def stages(tp: int, pp: int) -> list[StageCount]:
+        if (tp, pp) not in cache:
+            full = counts(tp, pp) if counts else count_stages(config.model, tp, pp)
+            cache[(tp, pp)] = _distinct_stages(full)
+        return cache[(tp, pp)]
+
+    layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node)
+    results = []
+    for layout in layouts:
+        candidate = layout_config(config, layout)
+        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        ds_layout, d = deepspeed_layout(candidate), layout.data_parallel_size
+        m = config.global_batch_size // (layout.micro_batch_size * d)
+        peak = max((stage_memory(candidate, ds_layout, c, d, m, hardware, assumptions) for c in chosen),
+                   key=lambda memory: memory.total)
+        if not peak.fits:
+            continue
+        timed = iteration_time(candidate, ds_layout, chosen, d, config.global_batch_size, hardware, assumptions)
+        results.append(LayoutResult(layout, peak.total, peak.fits, timed))
+    results.sort(key=lambda r: (r.full_batch.seconds, r.peak_memory_bytes))
+    return len(layouts), results
+
+
+def layout_result_to_dict(result: LayoutResult) -> dict[str, Any]:
+    t = result.full_batch
+    return {**dataclasses.asdict(result.layout), "peak_memory_bytes": result.peak_memory_bytes,
+            "peak_memory_gib": result.peak_memory_bytes / GIB, "iteration_seconds": t.seconds,
+            "tflops_per_gpu": t.tflops_per_gpu, "hfu": t.hfu, "mfu": t.mfu}
+
+
+def search_to_dict(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions, tried: int,
+                   results: list[LayoutResult], top: int) -> dict[str, Any]:
+    """The --search --json document: the best ``top`` layouts that fit, fastest full-batch iteration first."""
+    return {"config": config.source, "nodes": nodes, "gpus": nodes * hardware.gpus_per_node,
+            "gpu": dataclasses.asdict(hardware), "assumptions": dataclasses.asdict(assumptions),
+            "ranked_by": "full-batch iteration seconds", "layouts_tried": tried, "layouts_fitting": len(results),
+            "best": layout_result_to_dict(results[0]) if results else None,
+            "layouts": [layout_result_to_dict(r) for r in results[:top]]}
+
+
 # ----------------------------------------------------------------------------------------------------- formatting
 
 
@@ -891,6 +1190,17 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
 
 
+FLOPS_CONVENTION = ("TFLOP/s per GPU and HFU count hardware FLOPs (the recomputed forwards included); MFU counts model "
+                    "FLOPs, 3 forwards' worth without recompute (PaLM's definition, what the trainer logs as mfu)")
+
+
+def recompute_label(model: ModelConfig) -> str:
+    """'full', 'selective, first 2 blocks of each stage', 'none'."""
+    if model.recompute == "none" or model.recompute_num_layers is None:
+        return model.recompute
+    return f"{model.recompute}, first {model.recompute_num_layers} blocks of each stage"
+
+
 def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumptions, parameters: ParameterCounts
                   ) -> str:
     model, layout = config.model, deepspeed_layout(config)
@@ -898,8 +1208,8 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
     prose = [
         f"{config.source}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
         f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, recompute "
-        f"{model.recompute}; TP {tp} x PP "
-        f"{config.parallelism.pipeline_parallel_size}, micro-batch {config.micro_batch_size}",
+        f"{recompute_label(model)}; TP {tp} x PP {config.parallelism.pipeline_parallel_size}, sequence parallelism "
+        f"{'on' if config.parallelism.sequence_parallel else 'off'}, micro-batch {config.micro_batch_size}",
         f"DeepSpeed: {layout.optimizer} (ZeRO-1), DP gradient reduction in {8 * layout.communication_bytes}-bit, "
         f"pipe_partitioned {layout.pipe_partitioned}",
         f"GPU {hardware.name}: {hardware.peak_tflops:g} TFLOP/s, {hardware.memory_gib:g} GiB, HBM "
@@ -909,6 +1219,7 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
         f"{assumptions.comm_efficiency:g}, HBM efficiency {assumptions.hbm_efficiency:g}, framework allowance "
         f"{assumptions.framework_gib:g} GiB, attention scores {assumptions.attention_scores} "
         f"({'Korthikanti et al.' if assumptions.attention_scores_stored else 'fused SDPA kernel'})",
+        FLOPS_CONVENTION,
     ]
     lines = [_wrap(line) for line in prose] + [
         "",
@@ -959,10 +1270,12 @@ MEMORY_ROWS = (
     ("weights", "weights"), ("gradients (.grad)", "gradients"),
     ("fp32 gradient accumulation", "gradient_accumulation"), ("fp32 gradient partition", "gradient_partition"),
     ("fp32 master weights / DP", "master_weights"), ("Adam m + v (fp32) / DP", "adam_states"),
-    ("activations, per micro-batch, recompute", "activations_per_micro_batch_recompute"),
-    ("  ..., without recompute", "activations_per_micro_batch_no_recompute"),
-    ("activations, all held + working set, recompute", "activations_recompute"),
-    ("  ..., without recompute", "activations_no_recompute"),
+    ("activations per micro-batch", "activations_per_micro_batch"),
+    ("activations working set (recompute, head)", "activations_working_set"),
+    ("activations, all held + working set", "activations"),
+    ("  ..., if recompute none", "activations_none"),
+    ("  ..., if recompute selective", "activations_selective"),
+    ("  ..., if recompute full", "activations_full"),
     ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer (transient)", "reduce_buffer"),
     ("framework allowance", "framework_allowance"), ("peak", "total"), ("margin", "margin"),
 )
@@ -984,7 +1297,8 @@ def format_memory(plan: Plan) -> str:
 
 
 TIME_ROWS = ("compute", "tensor_parallel", "pipeline_p2p", "gradient_accumulation", "bubble",
-             "tied_embedding_reduce", "data_parallel_reduce", "optimizer_step", "zero_allgather")
+             "tied_embedding_reduce", "sequence_parallel_reduce", "data_parallel_reduce", "optimizer_step",
+             "zero_allgather")
 
 
 def format_time(plan: Plan) -> str:
@@ -997,8 +1311,9 @@ def format_time(plan: Plan) -> str:
         lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
             f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))
     lines.append(f"  {'total':<30}" + "".join(f"{t.seconds:>20.3f}" for t in columns))
-    lines.append(f"  {'TFLOP/s per GPU (MFU)':<30}" + "".join(
-        f"{t.tflops_per_gpu:>11.1f} ({t.mfu:>5.1%})" for t in columns))
+    lines.append(f"  {'TFLOP/s per GPU (HFU)':<30}" + "".join(
+        f"{t.tflops_per_gpu:>11.1f} ({t.hfu:>5.1%})" for t in columns))
+    lines.append(f"  {'MFU (model FLOPs)':<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
     slot = plan.full_batch.micro_batch
     lines.append(f"  slowest stage {slot.stage}: {slot.total * 1e3:.1f} ms per micro-batch slot (compute "
                  f"{slot.compute * 1e3:.1f}, TP {slot.tensor_parallel * 1e3:.1f}, p2p {slot.pipeline_p2p * 1e3:.1f}, "
@@ -1016,10 +1331,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(format_memory(plan))
     if plan.full_batch is not None:
         f = plan.flops
-        lines.append(_wrap(f"FLOPs per iteration (recompute / without): batch {plan.first_batch.global_batch}: "
-                           f"{f['first_batch_recompute']:.4g} / {f['first_batch_no_recompute']:.4g}; batch "
-                           f"{plan.full_batch.global_batch}: {f['full_batch_recompute']:.4g} / "
-                           f"{f['full_batch_no_recompute']:.4g}", "  "))
+        lines.append(_wrap(f"FLOPs per iteration (hardware, recompute counted / model): batch {plan.first_batch.global_batch}: {f['first_batch']:.4g} / "
+                           f"{f['first_batch_model']:.4g}; batch {plan.full_batch.global_batch}: "
+                           f"{f['full_batch']:.4g} / {f['full_batch_model']:.4g}", "  "))
         lines.append(format_time(plan))
         lines.append(format_training(plan))
     if plan.measured:
@@ -1038,7 +1352,8 @@ def format_training(plan: Plan) -> str:
 
 def format_measured(measured: dict[str, float]) -> str:
     line = (f"measured {measured['iteration_seconds']:g} s per iteration: {measured['tflops_per_gpu']:.1f} TFLOP/s "
-            f"per GPU, MFU {measured['mfu']:.1%} ({measured['mfu_without_recompute']:.1%} without recompute)")
+            f"per GPU, HFU {measured['hfu']:.1%}; model FLOPs {measured['model_tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+            f"MFU {measured['mfu']:.1%}")
     if "predicted_over_measured" in measured:
         line += f"; predicted / measured time {measured['predicted_over_measured']:.3f}"
     return _wrap(line, "  ")
@@ -1046,15 +1361,61 @@ def format_measured(measured: dict[str, float]) -> str:
 
 def format_comparison(plans: list[Plan]) -> str:
     """One line per node count: the figures to compare cluster sizes by."""
-    lines = [f"{'nodes':>6} {'GPUs':>6} {'DP':>4} {'m':>5} {'bubble':>7} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6} "
-             f"{'days':>6} {'ramp h':>7} {'peak GiB':>9} {'margin':>7}"]
+    lines = [f"{'nodes':>6} {'GPUs':>6} {'DP':>4} {'m':>5} {'bubble':>7} {'iter s':>8} {'TFLOP/s':>8} {'HFU':>6} "
+             f"{'MFU':>6} {'days':>6} {'ramp h':>7} {'peak GiB':>9} {'margin':>7}"]
     for p in plans:
         if not p.ok:
             lines.append(_wrap(f"{p.nodes:>6} {p.gpus:>6}  impossible: {p.errors[0]}", ""))
             continue
         t, w = p.full_batch, p.peak_memory()
         lines.append(f"{p.nodes:>6} {p.gpus:>6} {p.data_parallel_size:>4} {t.micro_batches:>5} "
-                     f"{t.bubble_fraction:>7.3f} {t.seconds:>8.2f} {t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%} "
+                     f"{t.bubble_fraction:>7.3f} {t.seconds:>8.2f} {t.tflops_per_gpu:>8.1f} {t.hfu:>6.1%} {t.mfu:>6.1%} "
                      f"{p.training.seconds / 86400:>6.2f} {p.training.ramp_seconds / 3600:>7.1f} "
                      f"{w.total / GIB:>9.2f} {w.margin / GIB:>7.2f}")
+    return "\n".join(lines)
+
+
+def _layout_row(rank: int | str, result: LayoutResult) -> str:
+    layout, t = result.layout, result.full_batch
+    layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
+    return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
+            f"{layout.data_parallel_size:>5} {layout.micro_batch_size:>6} {'on' if layout.sequence_parallel else 'off':>4} "
+            f"{layout.recompute:>10} {layers!s:>9} {result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
+            f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}")
+
+
+def describe_layout(result: LayoutResult) -> str:
+    layout = result.layout
+    blocks = "all" if layout.recompute_num_layers is None else str(layout.recompute_num_layers)
+    recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
+    return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}, "
+            f"micro-batch {layout.micro_batch_size}, sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
+            f"recompute {recompute}: {result.full_batch.seconds:.2f} s per iteration, "
+            f"{result.peak_memory_bytes / GIB:.2f} GiB peak, MFU {result.full_batch.mfu:.1%}")
+
+
+def layout_settings(layout: Layout) -> str:
+    """The --set options that give a run config this layout."""
+    settings = [f"parallelism.tensor_parallel_size={layout.tensor_parallel_size}",
+                f"parallelism.pipeline_parallel_size={layout.pipeline_parallel_size}",
+                f"train_micro_batch_size_per_gpu={layout.micro_batch_size}",
+                f"parallelism.sequence_parallel={str(layout.sequence_parallel).lower()}",
+                f"model.recompute='\"{layout.recompute}\"'"]
+    if layout.recompute_num_layers is not None:
+        settings.append(f"model.recompute_num_layers={layout.recompute_num_layers}")
+    return " ".join(f"--set {setting}" for setting in settings)
+
+
+def format_search(config: RunConfig, nodes: int, hardware: Hardware, tried: int, results: list[LayoutResult],
+                  top: int) -> str:
+    gpus = nodes * hardware.gpus_per_node
+    lines = [_wrap(f"{config.source} at {nodes} nodes ({gpus} GPUs, {hardware.name}): {tried} layouts tried, "
+                   f"{len(results)} fit in {hardware.memory_gib:g} GiB; ranked by the predicted full-batch "
+                   f"(batch {config.global_batch_size}) iteration time. {FLOPS_CONVENTION}"), ""]
+    if not results:
+        return "\n".join(lines + ["no layout fits"])
+    lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5} {'micro':>6} {'SP':>4} {'recompute':>10} "
+                 f"{'n layers':>9} {'peak GiB':>9} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}")
+    lines += [_layout_row(rank, r) for rank, r in enumerate(results[:top], start=1)]
+    lines += ["", _wrap(f"best: {describe_layout(results[0])}. As settings: {layout_settings(results[0].layout)}")]
     return "\n".join(lines)

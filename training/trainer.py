@@ -30,7 +30,7 @@ from training import checkpoint
 from training.config import RunConfig
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
-from training.metrics import detect_peak_tflops, flops_per_iteration, mfu, tflops_per_gpu
+from training.metrics import detect_peak_tflops, flops_per_iteration, mfu, model_flops_per_iteration, tflops_per_gpu
 from training.metrics_log import MetricsLogger
 from training.noise_scale import NoiseScaleMonitor
 
@@ -115,7 +115,8 @@ class Trainer:
                     self.state.consecutive_skips = 0
                 status = self._agree_on_status(stop)
                 window.add(self.state, flops_per_iteration(self.config.model, self.state.global_batch,
-                                                           self.ctx.tensor_parallel_size))
+                                                           self.ctx.tensor_parallel_size,
+                                                           pipeline_parallel_size=self.ctx.pipeline_parallel_size))
                 if self.state.step % self.config.training.log_interval == 0:
                     self.log_step(loss, window.take())
                 if skipped:
@@ -207,7 +208,12 @@ class Trainer:
 
     # -- metrics --------------------------------------------------------------------------------------------------
     def log_step(self, loss: float, throughput: dict[str, float]) -> None:
+        # hardware FLOPs (recompute included) -> TFLOP/s and HFU; model FLOPs (no recompute, PaLM's) -> MFU. Their
+        # ratio does not depend on the batch (training/metrics.py)
         achieved = tflops_per_gpu(throughput["flops"], throughput["seconds"], dist.get_world_size())
+        model, tp = self.config.model, self.ctx.tensor_parallel_size
+        model_achieved = achieved * model_flops_per_iteration(model, 1, tp) / flops_per_iteration(
+            model, 1, tp, pipeline_parallel_size=self.ctx.pipeline_parallel_size)
         grad_norm = self.engine.get_global_grad_norm()
         record = {
             **asdict(self.state),
@@ -219,7 +225,9 @@ class Trainer:
             "samples_per_second": throughput["samples"] / throughput["seconds"],
             "tokens_per_second": throughput["samples"] * self.seq_length / throughput["seconds"],
             "tflops_per_gpu": achieved,
-            "mfu": mfu(achieved, self.peak_tflops),
+            "model_tflops_per_gpu": model_achieved,
+            "hfu": mfu(achieved, self.peak_tflops),
+            "mfu": mfu(model_achieved, self.peak_tflops),
             # the largest allocation of this rank so far (rank 0: the first stage, which holds the most micro-batches)
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             **self.noise_scale.last,
