@@ -3,18 +3,21 @@
     stream           seed                       draws the masks of                               across ranks
     default (torch)  seed + 100 p               embedding dropout (PositionEmbedding); hidden    the same on the TP ranks
                                                 dropout after each row-parallel output           of a stage, different
-                                                (TransformerLayer)                               between stages
+                                                (TransformerLayer), both on replicated (b, s, h) between stages
     tensor-parallel  seed + 100 p + 2718 + t    attention dropout inside SDPA, on this rank's    different on every TP
-                                                heads (SelfAttention)                            rank and every stage
+                                                heads (SelfAttention); with sequence parallelism rank and every stage
+                                                also the embedding and hidden dropouts, on this
+                                                rank's positions (b, s/R, h) (HiddenDropout)
 
 with p the pipeline rank and t the tensor-parallel rank. A replicated activation (b, s, h) must be dropped identically
 on every TP rank, or the ranks' copies drift apart; the attention probabilities of different heads live on different TP
-ranks and must not share a mask pattern. Data-parallel replicas share both streams (as in Megatron); their data differ.
+ranks, as do the sequence shards under sequence parallelism, and must not share a mask pattern. Data-parallel replicas
+share both streams (as in Megatron); their data differ.
 
 torch's dropout and SDPA draw from the default generator (CPU, or the current CUDA device), so the tensor-parallel
 stream is a saved generator state swapped into the default generators around the region (``RNGStream.fork``), as
-Megatron's CudaRNGStatesTracker does. Activation checkpointing recomputes a block in the backward pass:
-torch.utils.checkpoint restores the default stream for the recompute, and ``checkpoint`` below also replays the
+Megatron's CudaRNGStatesTracker does. Recomputation (model.recompute: a whole block, or its attention core) reruns
+in the backward pass: torch.utils.checkpoint restores the default stream for the recompute, and ``checkpoint`` below also replays the
 tensor-parallel stream from where the forward drew, so the recomputed masks are the forward's. Both streams are saved
 in, and restored from, every checkpoint (training/checkpoint.py).
 """

@@ -1,7 +1,8 @@
 """Dropout random streams (model/random.py): which stream draws which mask, recompute, and resume.
 
-- single process: the tensor-parallel stream is kept apart from torch's default one; activation checkpointing's
-  recompute draws the forward's masks from both streams (gradients bitwise equal to no checkpointing), which plain
+- single process: the tensor-parallel stream is kept apart from torch's default one; recomputation (a checkpointed
+  block, and each model.recompute mode) draws the forward's masks from both streams (gradients bitwise equal to no
+  recomputation), which plain
   torch.utils.checkpoint does not do for the tensor-parallel stream;
 - TP 2 x PP 2 (4 processes, gloo, the real DeepSpeed pipeline with activation checkpointing, dropout 0.1): the
   attention dropout draws from a different generator state on every TP rank and stage, the replicated dropouts draw
