@@ -6,7 +6,8 @@ heap and mmap) before and after the forward, once gloo's threads have finished (
 serve here: it sees the allocations of the calling thread only, and gloo frees the collectives' buffers on its own.
 Measured in fp32, micro-batch 4, sequence 128, hidden 512 (8 heads), in two processes joined by gloo:
 
-- TP 1 and TP 2, TP 2 with and without sequence parallelism, each recompute mode ("none", "selective", "full");
+- TP 1 and TP 2, TP 2 with and without sequence parallelism, each recompute mode ("none", "selective", "full"); the
+  GPT block, and at TP 2 the Llama block of the same width (RMSNorm, RoPE, grouped KV heads, SwiGLU);
 - with the fused attention kernel (no attention dropout: F.scaled_dot_product_attention keeps its output and the
   logsumexp, never the s x s scores): each figure is training.planner.layer_activation_bytes within 1% + 64 KiB
   (what else a forward leaves: autograd's graph nodes, Python objects, the generator states a recompute keeps).
@@ -26,12 +27,13 @@ import ctypes
 import ctypes.util
 import dataclasses
 import gc
+import itertools
 import time
 
 import pytest
 import torch
 
-from model.config import ParallelConfig
+from model.config import ParallelConfig, preset
 from model.gpt import TransformerLayer
 from model.parallel import ParallelContext, build_parallel_context
 from model.random import RNGStream
@@ -65,6 +67,15 @@ def _allocated_bytes() -> int:
 
 MICRO_BATCH = 4
 SHAPE = dict(num_layers=2, hidden_size=512, num_attention_heads=8, seq_length=128)
+# The Llama block of the same width: RMSNorm, RoPE, 4 query heads per key/value head, SwiGLU.
+LLAMA_SHAPE = dict(SHAPE, num_key_value_heads=2, ffn_hidden_size=1024)
+
+
+def block_config(architecture: str, **fields):
+    if architecture == "llama":
+        return preset("llama-tiny", **LLAMA_SHAPE, **fields)
+    return model_config(**SHAPE, **fields)
+
 MODES = ("none", "selective", "full")
 ATTENTION = {"fused": 0.0, "unfused": 0.1}  # attention dropout: 0 takes the fused kernel on CPU, > 0 the math one
 
@@ -88,21 +99,22 @@ def _kept_bytes(layer: torch.nn.Module, x: torch.Tensor, group) -> int:
 
 
 def _measure(layouts: list[tuple[int, bool]]) -> dict:
-    """{(tp, sequence_parallel, attention, mode): bytes} on this rank (the median of three forwards)."""
+    """{(architecture, tp, sequence_parallel, attention, mode): bytes} on this rank (the median of three forwards):
+    the GPT block in every layout with both attention kernels, the Llama block at TP 2 with the fused one."""
     tp2 = build_parallel_context(ParallelConfig(tensor_parallel_size=2))
     contexts = {(1, False): ParallelContext(), (2, False): tp2, (2, True): dataclasses.replace(tp2, sequence_parallel=True)}
     results = {}
-    for tp, sequence_parallel in layouts:
+    cases = [(layout, "gpt", attention) for layout in layouts for attention in ATTENTION]
+    cases += [(layout, "llama", "fused") for layout in layouts if layout[0] == 2]
+    for ((tp, sequence_parallel), architecture, attention), mode in itertools.product(cases, MODES):
         ctx = contexts[(tp, sequence_parallel)]
-        for attention, dropout in ATTENTION.items():
-            for mode in MODES:
-                config = model_config(**SHAPE, attention_dropout=dropout, recompute=mode)
-                layer = TransformerLayer(config, ctx, SEED, 1, RNGStream(0))
-                positions = config.seq_length // (tp if sequence_parallel else 1)
-                x = torch.randn(MICRO_BATCH, positions, config.hidden_size, requires_grad=True)
-                _kept_bytes(layer, x, ctx.tensor_parallel_group)  # warm-up: lazy states, first-call allocations
-                runs = sorted(_kept_bytes(layer, x, ctx.tensor_parallel_group) for _ in range(3))
-                results[(tp, sequence_parallel, attention, mode)] = runs[1]
+        config = block_config(architecture, attention_dropout=ATTENTION[attention], recompute=mode)
+        layer = TransformerLayer(config, ctx, SEED, 1, RNGStream(0))
+        positions = config.seq_length // (tp if sequence_parallel else 1)
+        x = torch.randn(MICRO_BATCH, positions, config.hidden_size, requires_grad=True)
+        _kept_bytes(layer, x, ctx.tensor_parallel_group)  # warm-up: lazy states, first-call allocations
+        runs = sorted(_kept_bytes(layer, x, ctx.tensor_parallel_group) for _ in range(3))
+        results[(architecture, tp, sequence_parallel, attention, mode)] = runs[1]
     return results
 
 
@@ -114,38 +126,39 @@ def measured() -> dict:
     return run_distributed(2, _measure, LAYOUTS)[0]
 
 
-def predicted(tp: int, sequence_parallel: bool, attention: str, mode: str) -> float:
-    config = model_config(**SHAPE, attention_dropout=ATTENTION[attention], recompute=mode)
+def predicted(architecture: str, tp: int, sequence_parallel: bool, attention: str, mode: str) -> float:
+    config = block_config(architecture, attention_dropout=ATTENTION[attention], recompute=mode)
     return layer_activation_bytes(config, MICRO_BATCH, tp, sequence_parallel=sequence_parallel, recompute=mode,
                                   attention_scores_stored=attention == "unfused")
 
 
 @pytest.mark.distributed
 def test_block_activation_memory_is_the_planners(measured):
-    for tp, sequence_parallel in LAYOUTS:
-        for mode in MODES:
-            expected = predicted(tp, sequence_parallel, "fused", mode)
-            got = measured[(tp, sequence_parallel, "fused", mode)]
-            assert abs(got - expected) <= 0.01 * expected + 64 * 1024, (tp, sequence_parallel, mode, got, expected)
+    fused = [key for key in measured if key[3] == "fused"]
+    assert len(fused) == 3 * 3 + 2 * 3  # GPT: 3 layouts x 3 modes; Llama: 2 layouts x 3 modes
+    for key in fused:
+        expected, got = predicted(*key), measured[key]
+        assert abs(got - expected) <= 0.01 * expected + 64 * 1024, (key, got, expected)
 
 
 @pytest.mark.distributed
 def test_recompute_and_sequence_parallelism_cut_memory_as_predicted(measured):
     slack = 128 * 1024
-    for tp, sequence_parallel in LAYOUTS:
-        for attention in ATTENTION:
-            full, selective, none = (measured[(tp, sequence_parallel, attention, mode)] for mode in
-                                     ("full", "selective", "none"))
-            assert full < selective <= none + slack
-            if attention == "unfused":  # selective drops the s x s probabilities, the mask and the dropout output,
-                # at least Korthikanti's 5 bytes per score in 16 bits (measured: 12 per score in fp32)
-                drop = predicted(tp, sequence_parallel, attention, "none") - predicted(tp, sequence_parallel,
-                                                                                       attention, "selective")
-                assert none - selective >= drop
-    for attention in ATTENTION:
-        for mode in MODES:  # sequence parallelism splits what TP left whole: the norms' and residuals' tensors
-            with_sp, without = measured[(2, True, attention, mode)], measured[(2, False, attention, mode)]
-            saved = predicted(2, False, attention, mode) - predicted(2, True, attention, mode)
-            assert saved > 0 and abs((without - with_sp) - saved) <= 0.01 * saved + slack
-        # "full" keeps the block output alone, whole without SP: halved at TP 2
-        assert abs(2 * measured[(2, True, attention, "full")] - measured[(2, False, attention, "full")]) <= slack
+    for architecture, tp, sequence_parallel, attention in {key[:4] for key in measured}:
+        full, selective, none = (measured[(architecture, tp, sequence_parallel, attention, mode)]
+                                 for mode in ("full", "selective", "none"))
+        assert full < selective <= none + slack
+        if attention == "unfused":  # selective drops the s x s probabilities, the mask and the dropout output,
+            # at least Korthikanti's 5 bytes per score in 16 bits (measured: 12 per score in fp32)
+            drop = (predicted(architecture, tp, sequence_parallel, attention, "none")
+                    - predicted(architecture, tp, sequence_parallel, attention, "selective"))
+            assert none - selective >= drop
+        if tp == 2 and sequence_parallel:  # SP splits what TP left whole: the norms' and residuals' tensors
+            for mode in MODES:
+                with_sp = measured[(architecture, 2, True, attention, mode)]
+                without = measured[(architecture, 2, False, attention, mode)]
+                saved = (predicted(architecture, 2, False, attention, mode)
+                         - predicted(architecture, 2, True, attention, mode))
+                assert saved > 0 and abs((without - with_sp) - saved) <= 0.01 * saved + slack
+            # "full" keeps the block output alone, whole without SP: halved at TP 2
+            assert abs(2 * full - measured[(architecture, 2, False, attention, "full")]) <= slack

@@ -2,9 +2,8 @@
 
 - single process: the tensor-parallel stream is kept apart from torch's default one; recomputation (a checkpointed
   block, and each model.recompute mode) draws the forward's masks from both streams (gradients bitwise equal to no
-  recomputation), which plain
-  torch.utils.checkpoint does not do for the tensor-parallel stream;
-- TP 2 x PP 2 (4 processes, gloo, the real DeepSpeed pipeline with activation checkpointing, dropout 0.1): the
+  recomputation), which plain torch.utils.checkpoint does not do for the tensor-parallel stream;
+- TP 2 x PP 2 (4 processes, gloo, the real DeepSpeed pipeline with full recomputation, dropout 0.1): the
   attention dropout draws from a different generator state on every TP rank and stage, the replicated dropouts draw
   the same masks on the TP ranks of a stage, and a resume from the project's checkpoint replays the losses bitwise,
   which it no longer does when either stream is re-seeded instead of restored;
@@ -101,7 +100,7 @@ def _train_step(engine, ctx, step: int) -> float:
 def _observed_step(engine, ctx, step: int) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
     """A training step that records the generator state each SDPA draws its attention dropout from (inside the
     tensor-parallel region) and the mask of every hidden dropout (replicated activations, or sequence shards); with
-    activation checkpointing the recompute records again."""
+    full recomputation the recompute records again."""
     attention_states, replicated_masks = [], []
     sdpa = F.scaled_dot_product_attention
 
