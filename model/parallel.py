@@ -55,7 +55,8 @@ class ParallelContext:
     def describe(self) -> str:
         return (f"TP {self.tensor_parallel_rank}/{self.tensor_parallel_size} "
                 f"PP {self.pipeline_parallel_rank}/{self.pipeline_parallel_size} "
-                f"DP {self.data_parallel_rank}/{self.data_parallel_size}")
+                f"DP {self.data_parallel_rank}/{self.data_parallel_size}"
+                + (", sequence parallel" if self.sequence_parallel else ""))
 
 
 def silence_harmless_distributed_warnings() -> None:

@@ -38,12 +38,47 @@ def test_530b_preset_is_the_recipe():
     (dict(activation="relu"), None, "model.activation must be one of"),
     (dict(ffn_hidden_size=130), (4, 1), "model.ffn_hidden_size (130) is not divisible"),
     (dict(init_method_std=-0.02), None, "model.init_method_std must be positive"),
+    (dict(recompute="some"), None, "model.recompute must be one of ('none', 'selective', 'full')"),
+    (dict(recompute_num_layers=2), None, "model.recompute_num_layers is 2 but model.recompute is \"none\""),
+    (dict(recompute="full", recompute_num_layers=0), None, "model.recompute_num_layers must be a positive integer"),
+    (dict(recompute="full", recompute_num_layers=3), (1, 2), "model.recompute_num_layers (3) is more than the 2 "
+                                                             "blocks of each of the 2 pipeline stages"),
+    (dict(seq_length=30), (4, 1, True), "model.seq_length (30) is not divisible by parallelism.tensor_parallel_size "
+                                        "(4): with parallelism.sequence_parallel"),
 ])
 def test_invalid_model_configs_name_the_field(fields, parallel, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         config = preset("tiny", **fields)
         if parallel:
             config.check_parallel(*parallel)
+
+
+def test_the_old_activation_checkpointing_key_reads_as_recompute():
+    from model.config import upgrade_model_fields
+
+    block = {"preset": "tiny", "activation_checkpointing": True}
+    assert upgrade_model_fields(block) == {"preset": "tiny", "recompute": "full"}
+    assert block == {"preset": "tiny", "activation_checkpointing": True}  # the caller's block is left as it was
+    assert upgrade_model_fields({"activation_checkpointing": False})["recompute"] == "none"
+    with pytest.raises(ValueError, match="model.activation_checkpointing \\(true\\) and model.recompute "
+                                         "\\('selective'\\) disagree"):
+        upgrade_model_fields({"activation_checkpointing": True, "recompute": "selective"})
+
+
+def test_recompute_num_layers_takes_the_first_blocks_of_each_stage():
+    config = preset("tiny", num_layers=8, recompute="selective", recompute_num_layers=2)
+    assert [config.recompute_at(n, 2) for n in range(1, 9)] == ["selective"] * 2 + ["none"] * 2 + \
+        ["selective"] * 2 + ["none"] * 2
+    assert [preset("tiny", recompute="full").recompute_at(n, 4) for n in range(1, 5)] == ["full"] * 4
+
+
+def test_sequence_parallelism_turns_off_deepspeeds_partitioned_transfers():
+    from training.engine import _unpartitioned_pipe_transfers
+
+    assert _unpartitioned_pipe_transfers({"train_batch_size": 8})["pipeline"] == {"pipe_partitioned": False,
+                                                                                   "grad_partitioned": False}
+    with pytest.raises(ValueError, match="DeepSpeed's pipeline.pipe_partitioned is true"):
+        _unpartitioned_pipe_transfers({"pipeline": {"pipe_partitioned": True}})
 
 
 def test_world_size_must_divide():

@@ -49,7 +49,7 @@ def test_sequence_parallel_with_selective_recompute_resumes_exactly(corpus, stra
     run_training(corpus, straight, extra=SEQUENCE_PARALLEL_SELECTIVE)
     run_training(corpus, stopped, max_steps=6, extra=SEQUENCE_PARALLEL_SELECTIVE)
     result = run_training(corpus, stopped, extra=SEQUENCE_PARALLEL_SELECTIVE)
-    assert "at step 6" in result.stdout
+    assert "at step 6" in result.stdout and "TP 1/2 PP 1/2 DP 0/1, sequence parallel" in result.stdout
     assert trajectory(stopped) == trajectory(straight)  # bitwise: losses, learning rates, batches, tokens
     assert same_weights(final_weights(stopped), final_weights(straight))
     # The plain run's numbers: the same schedule, and losses that differ only by fp32 reduction order (the sums over
