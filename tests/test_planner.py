@@ -118,17 +118,21 @@ def test_layer_activations_with_scores_stored(recipe):
 def test_llama_layer_activations_from_the_code():
     """llama-tiny, fp32, t = 1, micro-batch 2: h 128, 8 query and 2 key/value heads of 16, f 256, RoPE. Per token, in
     elements: the block output, ln1 and ln2 outputs, the residual sum (4 h), each RMSNorm's normalised x (2 h) and
-    rsqrt (2), QKV 1.5 h, the rotated query h and keys h / 4, the attention output (the dense input) h and the
-    logsumexp 8, SwiGLU 8 h: 17.75 h + 10, and cos and sin, (s, d) each per block: 2 x 16 / 2 per token. The bytes a
-    Llama block keeps are measured against this in tests/test_activation_memory.py."""
+    rsqrt (2), QKV 1.5 h, the rotated query h and keys h / 4, the dense input h, a transposed copy of the SDPA output
+    (the 2 groups' flattened query, and so the output, are (b, a, s, d)) h and the logsumexp 8, SwiGLU 8 h:
+    18.75 h + 10, and cos and sin, (s, d) each per block: 2 x 16 / 2 per token. At TP 2 a rank holds one group: the
+    query is a view, the dense input a view of the SDPA output. Both are measured in tests/test_activation_memory.py."""
     from model.config import preset
 
     model = preset("llama-tiny")
     h, tokens = 128, 2 * 64
     none = layer_activation_bytes(model, 2, 1, sequence_parallel=False, recompute="none")
-    assert none == tokens * 4 * (17.75 * h + 10 + 16)
+    assert none == tokens * 4 * (18.75 * h + 10 + 16)
     selective = layer_activation_bytes(model, 2, 1, sequence_parallel=False, recompute="selective")
-    assert none - selective == tokens * 4 * 8  # the logsumexp, one fp32 per head
+    assert none - selective == tokens * 4 * (h + 8)  # the SDPA output (the dense input is a copy) and logsumexp
+    at_tp2 = layer_activation_bytes(model, 2, 2, sequence_parallel=False, recompute="none")
+    assert at_tp2 - layer_activation_bytes(model, 2, 2, sequence_parallel=False, recompute="selective") == \
+        tokens * 4 * 4  # one group per rank: the logsumexp of its 4 heads only
 
 
 def test_stage_activations_530b(recipe, parameters):

@@ -38,16 +38,19 @@ Memory of stage i
             the dense layer's input, transpose(1, 2).reshape, is a view of the SDPA output, not a copy (measured with
             saved-tensor hooks on the tiny GPT, CPU fp32: 15.125 h per token besides the block's input).
           "selective" (the attention core checkpointed, model/gpt.py SelfAttention.core): the same minus the SDPA
-            logsumexp; that is all it saves with the fused kernel: the dense layer still keeps the core's output, of
-            which its input is a view. With the scores stored
+            logsumexp, and the SDPA output where the dense input is a copy of it (below); with the GPT shape that is
+            all it saves: the dense layer still keeps the core's output, of which its input is a view. With the scores stored
             (below) it drops the s x s terms too: that is where selective matters (Korthikanti et al.'s 5 a s^2 b).
           "full": the block output only, e h u (its input is the previous block's output), and while one block is
             recomputed its whole "none" set is alive once (the working set; "selective": the recomputed core).
         Derived from the code, not measured, for the Llama shapes: RMSNorm keeps its normalised x (e h u), its
         rsqrt (4 u bytes) and, in 16-bit, the fp32 copy of its input (4 h u bytes), per norm; SwiGLU 4 f/t (gate_up
         output 2 f/t, silu output, the product); with GQA (flatten copies the query) or RoPE (rotates it) SDPA keeps
-        a query of its own, h/t (the attention output and the dense input together count h/t, as for GPT: measured
-        on a Llama block at TP 2 with and without SP, tests/test_activation_memory.py); RoPE keeps the rotated keys, g d/t, and cos and sin, 2 s d per block
+        a query of its own, h/t. The SDPA output takes the query's layout: (b, s, a, d) when the query is a view of
+        the QKV output, and then the dense input is a view of it, as for GPT; but when a rank holds more than one
+        key/value group of more than one query head, GQA's flatten copies the query to (b, a, s, d), the output is
+        laid out so too and the dense input is a transposed copy: h/t more, which selective drops (both cases are
+        measured in tests/test_activation_memory.py: the Llama block at TP 1, 2 groups, and TP 2, 1 group); RoPE keeps the rotated keys, g d/t, and cos and sin, 2 s d per block
         (x cos + rotate_half(x) sin keeps only those, the factors without a gradient). With hidden_dropout > 0:
         two bool masks (CUDA's native_dropout), 2 h u bytes, and the embedding's, h u, on the first stage. The
         fused CUDA kernels take the attention dropout without a mask (they regenerate it from the RNG state), so
@@ -55,7 +58,7 @@ Memory of stage i
         Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2-4) for reference: s b h (34 + 5 a s / h) bytes at t = 1,
         16-bit, with dropout masks; s b h (10 + 24 / t + 5 a s / (h t)) with TP; (34 + 5 a s / h) / t with SP. Their
         5 a s / h term (softmax output, dropout mask and output, 5 a s^2 b / t bytes) is what Assumptions
-        .attention_scores "stored" adds in place of the logsumexp, the unfused math kernel (an
+        .attention_scores "stored" adds in place of the logsumexp and SDPA output, the unfused math kernel (an
         explicit mask, or a head dimension neither fused kernel takes); "recomputed" (default) leaves it out.
         recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
         Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
@@ -373,6 +376,10 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     replicated, heads = h * u, model.num_attention_heads / t
     kv = model.num_key_value_heads * model.head_dim / t
     query_copied = model.queries_per_key_value_head > 1 or model.position_embedding == "rope"
+    # The SDPA output takes the query's memory layout. The query is a view of the QKV output, laid out (b, s, a, d),
+    # unless a rank holds several key/value groups of several query heads: flatten then copies it to (b, a, s, d)
+    # (RoPE's rotation keeps whichever layout it gets).
+    query_contiguous = model.queries_per_key_value_head > 1 and model.num_key_value_heads // t > 1
     rows = [
         StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
         StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES),
@@ -389,9 +396,10 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     if attention_scores_stored:  # Korthikanti et al.: softmax output, dropout mask, dropout output (5 a s^2 b / t)
         rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * dtype / 2,
                                  ("none",)))
-    else:  # the fused kernel keeps its output, whose (b, s, a, d) layout makes it the dense input (a view), and
-        # one fp32 statistic per row and head; measured for GQA + RoPE too (tests/test_activation_memory.py)
+    else:  # the fused kernel keeps its output and one fp32 statistic per row and head
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
+        if query_contiguous:  # its output is then (b, a, s, d) too: the dense input is a transposed copy
+            rows.append(StoredTensor("SDPA output", dtype * h / t, ("none",)))
     if model.mlp == "swiglu":
         rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
     else:
