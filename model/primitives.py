@@ -22,6 +22,8 @@ so TP = 1 is plain PyTorch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -89,96 +91,46 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return shard
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+Op = Callable[[torch.Tensor, Group], torch.Tensor]
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
+def _region(forward: Op, backward: Op, doc: str) -> Op:
+    """The differentiable primitive whose forward is ``forward`` and whose backward is ``backward`` (its dual)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+    class Region(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
+    def primitive(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x if group_size(group) == 1 else Region.apply(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+    primitive.__doc__ = doc
+    return primitive
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
-
-
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Enter a TP region with a replicated input: the gradients of the shards are summed on the way back."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Leave a TP region by summing the partial results of the shards."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
-
-
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension."""
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Concatenate the ranks' slices of the last dimension."""
-    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sequence shards (b, s/R, h) -> the whole sequence (b, s, h); gradients are reduce-scattered back."""
-    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Partial sums (b, s, h) -> this rank's positions (b, s/R, h), summed over the ranks."""
-    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+copy_to_tensor_parallel_region = _region(
+    _identity, _all_reduce,
+    "Enter a TP region with a replicated input: the gradients of the shards are summed on the way back.")
+reduce_from_tensor_parallel_region = _region(
+    lambda x, group: _all_reduce(x.clone(), group), _identity,
+    "Leave a TP region by summing the partial results of the shards.")
+scatter_to_tensor_parallel_region = _region(
+    _split_last_dim, _gather_last_dim, "Keep this rank's slice of the last dimension.")
+gather_from_tensor_parallel_region = _region(
+    _gather_last_dim, _split_last_dim, "Concatenate the ranks' slices of the last dimension.")
+gather_from_sequence_parallel_region = _region(
+    all_gather_sequence, reduce_scatter_sequence,
+    "Sequence shards (b, s/R, h) -> the whole sequence (b, s, h); gradients are reduce-scattered back.")
+reduce_scatter_to_sequence_parallel_region = _region(
+    reduce_scatter_sequence, all_gather_sequence,
+    "Partial sums (b, s, h) -> this rank's positions (b, s/R, h), summed over the ranks.")
