@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from hf.tables import layer_maps, shard_shape
+from model.checkpoint_files import layer_file, model_states_file
 from model.config import ModelConfig
-from model.hf_conversion import layer_file, layer_maps, model_states_file, shard_shape
 from training.checkpoint import write_latest
 
 TAG = "global_step1"
@@ -87,7 +88,7 @@ def measure_export(checkpoint: Path, output: Path, tokenizer: Path, max_shard_si
     """Runs in the child process: everything imported first, then the peak RSS growth of the export alone."""
     import transformers  # noqa: F401  (imported before the baseline: the export uses it for config and tokenizer)
 
-    from model.hf_conversion import export_to_hf
+    from hf.export import export_to_hf
 
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS (Linux >= 4.0)

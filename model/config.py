@@ -8,7 +8,9 @@ tensor exists.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,18 @@ RECOMPUTE = ("none", "selective", "full")
 ROPE_SCALING_TYPES = ("llama3",)
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_VOCAB_SIZE = 50257
+
+
+def set_option(path: str, value: Any) -> str:
+    """The --set option that gives a config field this value, as one shell word that pastes: compact JSON, quoted
+    where the shell needs it (--set reads the value as JSON: training/config.py apply_overrides).
+
+    >>> set_option("model.num_attention_heads", 6)
+    '--set model.num_attention_heads=6'
+    >>> set_option("model.rope_scaling", {"rope_type": "llama3", "factor": 8.0})
+    '--set \'model.rope_scaling={"rope_type":"llama3","factor":8.0}\''
+    """
+    return "--set " + shlex.quote(f"{path}={json.dumps(value, separators=(',', ':'))}")
 
 
 def _require(condition: bool, message: str) -> None:

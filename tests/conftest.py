@@ -1,10 +1,17 @@
-"""Fixtures shared by the launcher tests: the tokenised shipped corpus and one uninterrupted reference run."""
+"""Shared fixtures: the tokenised shipped corpus and one uninterrupted reference run (the launcher tests); the
+recipe's run config and its parameter counts (the planner tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from planner.memory import ParameterCounts, count_parameters
 from tests.launch import preprocess_corpus, run_training
+from training.config import RunConfig, load_run_config
+
+RECIPE = Path(__file__).resolve().parents[1] / "ds_configs" / "530b.json"
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +25,15 @@ def straight_run(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("straight") / "checkpoints"
     run_training(corpus, save)
     return save
+
+
+@pytest.fixture(scope="session")
+def recipe() -> RunConfig:
+    """ds_configs/530b.json, the recipe."""
+    return load_run_config(RECIPE)
+
+
+@pytest.fixture(scope="session")
+def parameters(recipe) -> ParameterCounts:
+    """The recipe's parameters per stage, counted on the meta device (a few seconds: shared by the planner tests)."""
+    return count_parameters(recipe)

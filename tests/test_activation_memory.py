@@ -11,7 +11,7 @@ Measured in fp32, micro-batch 4, sequence 128, hidden 512 (8 heads), in two proc
   at TP 1 a rank holds both groups, whose flattened query is a copy and whose attention output needs a transposed
   copy for the dense layer; at TP 2 one group, whose query and output are views, as GPT's);
 - with the fused attention kernel (no attention dropout: F.scaled_dot_product_attention keeps its output and the
-  logsumexp, never the s x s scores): each figure is training.planner.layer_activation_bytes within 1% + 64 KiB
+  logsumexp, never the s x s scores): each figure is planner.memory.layer_activation_bytes within 1% + 64 KiB
   (what else a forward leaves: autograd's graph nodes, Python objects, the generator states a recompute keeps).
   Measured here: 13 to 24 KiB above the planner's figures, which are 0.5 to 16.8 MB;
 - with the unfused kernel (attention dropout > 0: torch's math kernel keeps the s x s probabilities, the dropout
@@ -39,9 +39,9 @@ from model.config import ParallelConfig, preset
 from model.gpt import TransformerLayer
 from model.parallel import ParallelContext, build_parallel_context
 from model.random import RNGStream
+from planner.memory import layer_activation_bytes
 from tests.distributed import run_distributed
 from tests.test_model_parallel import SEED, model_config
-from training.planner import layer_activation_bytes
 
 
 class _MallInfo2(ctypes.Structure):

@@ -1,4 +1,4 @@
-"""Hugging Face interop (model/hf_conversion.py, tools/convert_{to,from}_hf.py).
+"""Hugging Face interop (hf/, tools/convert_{to,from}_hf.py).
 
 - A tiny GPT trained 2 steps at TP 2 x PP 2 and saved by the trainer's save_checkpoint, exported: the HF model's
   logits equal the DeepSpeed engine's on the same batch (fp32, max abs difference <= 1e-4: the engine sums TP
@@ -20,22 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf.checkpoint_reader import open_checkpoint
+from hf.export import export_to_hf
+from hf.importer import IMPORT_RECORD, import_from_hf, read_import_record
+from hf.safetensors_writer import SafetensorsShardWriter, parse_size
+from hf.tables import HF_ARCHITECTURE, full_shape, layer_maps
+from hf.transforms import merge_to_hf, split_from_hf
+from model.checkpoint_files import layer_file
 from model.config import ParallelConfig
-from model.hf_conversion import (
-    HF_ARCHITECTURE,
-    IMPORT_RECORD,
-    SafetensorsShardWriter,
-    export_to_hf,
-    full_shape,
-    import_from_hf,
-    layer_file,
-    layer_maps,
-    merge_to_hf,
-    open_checkpoint,
-    parse_size,
-    read_import_record,
-    split_from_hf,
-)
 from model.parallel import ParallelContext
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, deepspeed_config, micro_batches
@@ -374,3 +366,62 @@ def test_other_architectures_and_mismatched_configs_are_refused(imported, tmp_pa
     with pytest.raises(ValueError, match="pytorch_model.bin.*safetensors"):
         import_from_hf(pickled, model_config, ParallelConfig(TP, PP), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out" / IMPORT_RECORD).exists()
+
+
+# -- the export's bytes are pinned -----------------------------------------------------------------------------------
+
+def patterned_hf_model(kind: str, directory: Path) -> Path:
+    """A GPT-2 or a Llama (grouped KV, untied, llama3 RoPE) whose every tensor is an integer pattern: no random
+    generator, no transcendental function, so its values are the same bits on every CPU and torch version."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf.tokenizer import gpt2_tokenizer
+
+    if kind == "gpt2":
+        config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4,
+                                      architectures=["GPT2LMHeadModel"])
+    else:
+        config = AutoConfig.for_model(
+            "llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+            rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"],
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for index, (_, tensor) in enumerate(sorted(model.state_dict().items())):
+            pattern = (torch.arange(tensor.numel(), dtype=torch.int64) * 7919 + 104729 * index) % 2003
+            tensor.copy_((pattern.to(torch.float32) / 2003 - 0.5).reshape(tensor.shape) * 0.04)
+    model.save_pretrained(str(directory))
+    gpt2_tokenizer(64).save_pretrained(str(directory))
+    return directory
+
+
+def export_digests(directory: Path) -> dict:
+    """sha256 of every safetensors file; config.json and generation_config.json as values (less the transformers
+    version, which is not the export's)."""
+    import hashlib
+
+    digests = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix == ".safetensors":
+            digests[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.name in ("config.json", "generation_config.json"):
+            digests[path.name] = {k: v for k, v in json.loads(path.read_text()).items() if k != "transformers_version"}
+    return digests
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_bytes_are_pinned(kind, tmp_path):
+    """HF (an integer pattern) -> here at TP 2 x PP 2 -> HF, fp32: the export's bytes equal those recorded in
+    tests/golden/export_digests.json when the conversion still lived in one module (model/hf_conversion.py). A
+    change to what an export writes must be deliberate: regenerate that file and say why."""
+    from hf.config_map import model_fields_from_hf, read_hf_config
+    from model.config import ModelConfig
+
+    source = patterned_hf_model(kind, tmp_path / "hf")
+    model = ModelConfig(**model_fields_from_hf(read_hf_config(source)), seq_length=64)
+    import_from_hf(source, model, ParallelConfig(TP, PP), tmp_path / "checkpoint", progress=False)
+    export_to_hf(tmp_path / "checkpoint", tmp_path / "export", progress=False)
+    golden = json.loads((Path(__file__).parent / "golden" / "export_digests.json").read_text())[kind]
+    assert export_digests(tmp_path / "export") == golden

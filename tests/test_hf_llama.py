@@ -31,22 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf.config_map import model_fields_from_hf, read_hf_config
+from hf.export import export_to_hf
+from hf.importer import import_from_hf, read_import_record
+from hf.tables import ARCHITECTURES, full_shape, hf_tensor_shapes, layer_maps
+from hf.tokenizer import TOKENIZER_DIRECTORY, gpt2_tokenizer
+from hf.transforms import merge_to_hf, split_from_hf
 from model.config import ModelConfig, ParallelConfig
-from model.hf_conversion import (
-    ARCHITECTURES,
-    TOKENIZER_DIRECTORY,
-    export_to_hf,
-    full_shape,
-    gpt2_tokenizer,
-    hf_tensor_shapes,
-    import_from_hf,
-    layer_maps,
-    merge_to_hf,
-    model_fields_from_hf,
-    read_hf_config,
-    read_import_record,
-    split_from_hf,
-)
 from model.parallel import ParallelContext
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, MICRO_BATCH, deepspeed_config

@@ -83,7 +83,7 @@ def test_llama_tiny_preset_fits_the_cpu_splits():
 
 
 def test_hugging_face_conversion_maps_the_presets_and_refuses_a_mixed_shape():
-    from model.hf_conversion import layer_maps
+    from hf.tables import layer_maps
 
     assert len(layer_maps(preset("tiny"))) == 4 + 3  # embeddings, blocks, final norm
     assert len(layer_maps(preset("llama-tiny"))) == 4 + 4  # embedding, empty positions, blocks, norm, untied head

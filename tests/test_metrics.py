@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from planner.hardware import GPU_PRESETS
 from training import metrics
 from training.metrics import GPU_PEAKS, UNKNOWN_GPU_MESSAGE, match_gpu, resolve_peak_tflops
-from training.planner import GPU_PRESETS
 
 DEVICE_NAMES = [
     ("NVIDIA A100-SXM4-40GB", "A100 SXM (40 or 80 GB)", 312.0),
@@ -109,9 +109,9 @@ def test_flops_count_every_matmul_weight_of_the_real_block(name):
     import torch
 
     from model.config import preset
+    from model.flops import flops_per_iteration
     from model.gpt import TransformerLayer
     from model.parallel import ParallelContext
-    from training.metrics import flops_per_iteration
 
     config = preset(name)
     with torch.device("meta"):
@@ -133,7 +133,7 @@ CORE_FORWARD = B * S * 4 * S * H  # the attention core of one block: QK^T and th
                                                    ("full", L * BLOCK_FORWARD)])
 def test_hardware_flops_add_what_each_mode_recomputes(recompute, recomputed):
     from model.config import preset
-    from training.metrics import flops_per_iteration, model_flops_per_iteration
+    from model.flops import flops_per_iteration, model_flops_per_iteration
 
     config = preset("530b", recompute=recompute)
     assert model_flops_per_iteration(config, B, 8) == pytest.approx(MODEL_FLOPS, rel=1e-12)
@@ -143,7 +143,7 @@ def test_hardware_flops_add_what_each_mode_recomputes(recompute, recomputed):
 
 def test_full_recompute_is_narayanans_96():
     from model.config import preset
-    from training.metrics import flops_per_iteration
+    from model.flops import flops_per_iteration
 
     expected = 96 * B * S * L * H**2 * (1 + S / (6 * H) + V / (16 * L * H))
     assert flops_per_iteration(preset("530b"), B, 8) == pytest.approx(expected, rel=1e-12)
@@ -156,7 +156,7 @@ def test_full_recompute_is_narayanans_96():
 def test_recompute_num_layers_scales_the_recomputed_flops(recompute, block):
     """n blocks of each of the 35 stages recompute: 35 n of the 105."""
     from model.config import preset
-    from training.metrics import flops_per_iteration
+    from model.flops import flops_per_iteration
 
     for n in (1, 2, 3):
         config = preset("530b", recompute=recompute, recompute_num_layers=n)
@@ -171,7 +171,8 @@ def test_hfu_and_mfu_by_mode(recompute, hfu_over_mfu):
     """At 60 s per iteration on 4480 A100s: MFU from model FLOPs (15.1%, whatever is recomputed), HFU from what the
     GPUs computed (selective: + 4 s h of 24 h^2 + 4 s h per block forward, full: a whole forward more)."""
     from model.config import preset
-    from training.metrics import flops_per_iteration, mfu, model_flops_per_iteration, tflops_per_gpu
+    from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
+    from training.metrics import mfu
 
     config = preset("530b", recompute=recompute)
     model = mfu(tflops_per_gpu(model_flops_per_iteration(config, B, 8), 60.0, 4480), 312.0)

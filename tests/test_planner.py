@@ -3,7 +3,7 @@ allocations, the layout search, and the errors of impossible plans.
 
 Hand values use the 530B shape: s = 2048, b = 1, h = 20480, a = 128, f = 4h, t = 8, p = 35, V = 51200, bf16, so one
 hidden tensor 2 s b h = 83,886,080 bytes, and N_0 = 2,060,874,240 parameters on a TP rank of stage 0 (N_34 =
-2,018,972,160 on the last stage). What a block keeps (training/planner.py, layer_stored_tensors), per token, in
+2,018,972,160 on the last stage). What a block keeps (planner/memory.py, layer_stored_tensors), per token, in
 bytes: 2 x (4h + 3h/t + h/t + 2f/t) = 2 x 5.5 h = 11 h at t = 8, plus the LayerNorm statistics (2 norms x 2 x 4 =
 16) and the SDPA logsumexp (4 a / t = 64): s b h x 11 + 80 s b. Selective recompute drops the logsumexp, full
 keeps the block output alone (2 h). With sequence parallelism every h above that is not split by t is: 2 x 16 h / 8
@@ -12,42 +12,34 @@ keeps the block output alone (2 h). With sequence parallelism every h above that
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tools.plan import main as plan_main
-from training.config import load_run_config, parse_run_config
-from training.engine import build_engine
-from training.planner import (
-    CHINCHILLA,
-    GPU_PRESETS,
-    Assumptions,
-    candidate_layouts,
-    chinchilla_optimal,
-    compute_optimal,
+from planner.hardware import GPU_PRESETS, Assumptions, deepspeed_layout
+from planner.memory import (
     count_parameters,
-    deepspeed_layout,
-    iteration_time,
     layer_activation_bytes,
     layer_stored_tensors,
     micro_batches_held,
-    plan_cluster,
+    stage_activations,
+    stage_memory,
+)
+from planner.plan import plan_cluster
+from planner.ramp import suggest_ramp, training_time
+from planner.scaling import CHINCHILLA, chinchilla_optimal, compute_optimal, twenty_tokens_per_parameter
+from planner.timing import (
+    iteration_time,
     ring_all_gather_seconds,
     ring_all_reduce_seconds,
-    search_layouts,
-    stage_activations,
     stage_flops_per_micro_batch,
-    stage_memory,
-    suggest_ramp,
     sustained_rates,
-    training_time,
-    twenty_tokens_per_parameter,
 )
+from tests.distributed import run_distributed
+from training.config import load_run_config, parse_run_config
+from training.engine import build_engine
 from training.schedules import BatchRamp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,16 +52,6 @@ S = 2048
 LAYER_NONE = SBH * 11 + S * 80  # 461,537,280 bytes at t = 8: the fused kernel's set
 LAYER_STORED = SBH * 11 + S * (16 + 5 * 16 * 2048)  # the logsumexp replaced by Korthikanti's 5 a s / t = 8 s b h
 STORED = Assumptions(attention_scores="stored")
-
-
-@pytest.fixture(scope="module")
-def recipe():
-    return load_run_config(RECIPE)
-
-
-@pytest.fixture(scope="module")
-def parameters(recipe):
-    return count_parameters(recipe)
 
 
 # ------------------------------------------------------------------------------------------- formulas by hand
@@ -188,7 +170,7 @@ def test_ring_volumes():
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_stage_flops_add_up_to_flops_per_iteration(recipe, parameters, recompute):
-    from training.metrics import flops_per_iteration
+    from model.flops import flops_per_iteration
 
     per_micro_batch = sum(stage_flops_per_micro_batch(recipe.model, c, 1, 8, recompute) for c in parameters.stages)
     # every TP rank of every stage, 240 micro-batches on each of 8 pipelines
@@ -480,130 +462,3 @@ def test_memory_parts_match_deepspeed_allocations():
         for part, per_group in padding_bytes.items():
             assert 0 <= r[part] - getattr(planned, part) <= r["groups"] * per_group, (r["optimizer"], r["stage"], part)
         assert r["weights"] == planned.weights and r["adam_states"] == planned.adam_states  # no padding here
-
-
-# ----------------------------------------------------------------------------------------------------- the CLI
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    status = plan_main(["--ds_config", str(RECIPE), *args])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def test_cli_plans_the_recipe(capsys):
-    status, out, err = run_cli(capsys, "--nodes", "280,350")
-    assert status == 0 and err == ""
-    assert "529,600,819,200 from the modules, 529,600,819,200 analytic (equal)" in out
-    assert "verdict: fits" in out and "warning: ramp batch sizes not divisible by micro-batch x DP = 10" in out
-    assert "280   2240    8   240   0.142" in out  # the comparison table: nodes, GPUs, DP, m, bubble
-
-
-def test_cli_prints_tokens_per_parameter_and_compute_optimal_sizes(capsys):
-    status, out, _ = run_cli(capsys, "--nodes", "280")
-    assert status == 0
-    assert "compute-optimal size for the run's C = 6 N D = 8.58e+23 FLOPs" in out
-    assert "this run                                             529.6B         270B                   0.51" in out
-    assert "Hoffmann et al. 2022, approach-3 fit                 38.54B" in out
-    assert "rule of thumb: 20 tokens per parameter               84.56B" in out
-
-
-def test_cli_attention_scores_option(capsys):
-    def stage0_peak(*args: str) -> int:
-        status, out, _ = run_cli(capsys, "--nodes", "280", "--json", *args)
-        assert status == 0
-        return json.loads(out)["plans"][0]["memory"][0]["total"]
-
-    default = stage0_peak()
-    assert stage0_peak("--flash-attention") == stage0_peak("--attention-scores", "recomputed") == default
-    # with full recompute only the recomputed block's working set holds the scores: 8 s b h more, less the logsumexp
-    assert stage0_peak("--attention-scores", "stored") - default == LAYER_STORED - LAYER_NONE
-    with pytest.raises(SystemExit):  # contradictory: refused by argparse
-        run_cli(capsys, "--nodes", "280", "--flash-attention", "--attention-scores", "stored")
-
-
-def test_cli_json_has_the_documented_schema(capsys):
-    status, out, _ = run_cli(capsys, "--nodes", "560", "--gpu", "h100-80gb", "--matmul-efficiency", "0.5",
-                             "--iteration-seconds", "30", "--json")
-    report = json.loads(out)
-    assert status == 0 and set(report) == {"config", "gpu", "assumptions", "deepspeed", "parameters",
-                                           "compute_optimal", "plans"}
-    assert report["gpu"]["peak_tflops"] == 989 and report["assumptions"]["matmul_efficiency"] == 0.5
-    assert report["assumptions"]["attention_scores"] == "recomputed"
-    optimal = report["compute_optimal"]
-    assert set(optimal) == {"flops", "run", "chinchilla", "twenty_tokens_per_parameter", "law"}
-    assert optimal["run"] == {"parameters": 529_600_819_200, "tokens": 270e9,
-                              "tokens_per_parameter": pytest.approx(270e9 / 529_600_819_200)}
-    assert set(optimal["chinchilla"]) == {"parameters", "tokens", "tokens_per_parameter"}
-    assert optimal["law"] == {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
-    plan = report["plans"][0]
-    assert (plan["data_parallel_size"], plan["micro_batches"], plan["errors"]) == (16, 120, [])
-    assert len(plan["memory"]) == 35 and plan["memory"][0]["micro_batches_held"] == 35
-    assert plan["full_batch"]["micro_batch"]["stage"] == 34 and plan["training"]["steps"] > 0
-    assert plan["measured"]["tflops_per_gpu"] == pytest.approx(plan["flops"]["full_batch"] / (30 * 4480) / 1e12)
-
-
-@pytest.mark.parametrize("args, reason", [
-    (["--nodes", "100"], "data parallelism is not a whole number: 100 nodes x 8 GPUs = world size 800 is not "
-                         "divisible by tensor_parallel_size (8) x pipeline_parallel_size (35) = 280"),
-    (["--nodes", "280", "--set", "train_micro_batch_size_per_gpu=7"],
-     "the full batch train_batch_size=1920 is not divisible by micro-batch x DP = 7 x 8 = 56"),
-    (["--nodes", "280", "--set", "model.recompute=\"none\"", "--attention-scores", "stored"],
-     "memory exceeded: stage 0 needs 101.1 GiB of the a100-80gb's 80 GiB"),
-    # 8 N + 12 N / 8 + 35 x 4 x 2 s b h + (11 s b h + 80 s b) + 2 x 2 s b h + 2 GiB = 31.8 GiB
-    (["--nodes", "280", "--gpu", "a100-40gb", "--memory-gib", "30"], "memory exceeded: stage 0 needs 31.8 GiB"),
-    (["--nodes", "280,x"], "--nodes '280,x': expected positive numbers"),
-    (["--nodes", "280,350", "--iteration-seconds", "60.1"], "--iteration-seconds has 1 values for 2 node counts"),
-    (["--nodes", "280", "--matmul-efficiency", "1.5"], "matmul_efficiency must be in (0, 1]"),
-    (["--nodes", "280", "--set", "zero_optimization.stage=2"], "the planner models ZeRO stage 1"),
-])
-def test_cli_impossible_plans_exit_1_with_the_reason(capsys, args, reason):
-    status, _, err = run_cli(capsys, *args)
-    assert status == 1 and reason in err
-
-
-def test_cli_search_finds_a_layout_at_least_as_fast_as_the_papers(capsys, parameters):
-    """530B at 280 nodes: the best layout fits and is no slower than the paper's TP 8 x PP 35 with SP + selective."""
-    status, out, err = run_cli(capsys, "--nodes", "280", "--search")
-    assert status == 0 and err == ""
-    assert "576 layouts tried, 46 fit in 80 GiB" in out
-    best = next(line for line in out.splitlines() if line.startswith("   1 "))
-    assert best.split()[1:4] == ["8", "35", "8"]
-    status, out, _ = run_cli(capsys, "--nodes", "280", "--search", "--json", "--top", "5")
-    report = json.loads(out)
-    assert status == 0 and len(report["layouts"]) == 5 and report["best"] == report["layouts"][0]
-    assert report["layouts_tried"] == 576 and 0 < report["layouts_fitting"] < 576
-    papers = plan_cluster(load_run_config(RECIPE, SELECTIVE_SP), 280, A100, DEFAULTS, parameters)
-    assert report["best"]["peak_memory_bytes"] <= 80 * 2**30
-    assert report["best"]["iteration_seconds"] <= papers.full_batch.seconds
-    seconds = [layout["iteration_seconds"] for layout in report["layouts"]]
-    assert seconds == sorted(seconds)
-    assert {"recompute", "recompute_num_layers", "sequence_parallel", "mfu", "hfu"} <= set(report["best"])
-
-
-def test_search_enumerates_the_documented_layouts(recipe):
-    layouts = candidate_layouts(recipe, 2240, 8)
-    # PP divides 105 and TP x PP 2240: 1, 5, 7, 35; only PP 7 and 35 leave a DP that splits the batch of 1920
-    assert {(x.tensor_parallel_size, x.pipeline_parallel_size) for x in layouts} == \
-        {(t, p) for t in (1, 2, 4, 8) for p in (7, 35)}
-    assert all(1920 % (x.micro_batch_size * x.data_parallel_size) == 0 for x in layouts)
-    assert not any(x.sequence_parallel for x in layouts if x.tensor_parallel_size == 1)
-    at_paper = {(x.recompute, x.recompute_num_layers) for x in layouts
-                if (x.tensor_parallel_size, x.pipeline_parallel_size, x.micro_batch_size) == (8, 35, 1)}
-    assert at_paper == {("none", None)} | {(m, n) for m in ("selective", "full") for n in (None, 1, 2)}
-    spread = {x.recompute_num_layers for x in layouts if x.pipeline_parallel_size == 7 and x.recompute == "full"}
-    assert spread == {None, 2, 4, 6, 8, 9, 11, 13}  # 15 blocks a stage: 7 counts spread over them, and all
-
-
-def test_search_counts_each_parallel_split_once(recipe):
-    calls = []
-
-    def counting(tp: int, pp: int):
-        from model.summary import count_stages
-
-        calls.append((tp, pp))
-        return count_stages(recipe.model, tp, pp)
-
-    tried, results = search_layouts(recipe, 280, A100, DEFAULTS, counting)
-    assert len(calls) == len(set(calls)) == 8 and tried == 576
-    assert results and all(r.fits for r in results)

@@ -163,7 +163,7 @@ def test_optimizer_state_survives_the_reshape_bit_for_bit(layout, reloaded):
 
 @pytest.mark.distributed
 def test_hf_export_of_a_reshaped_checkpoint_is_the_originals(reloaded, tmp_path):
-    from model.hf_conversion import export_to_hf
+    from hf.export import export_to_hf
 
     def export(directory: Path, name: str) -> dict[str, torch.Tensor]:
         out = export_to_hf(directory, tmp_path / name, tag=f"global_step{RESUME_AT}", progress=False)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from model.flops import flops_per_iteration, tflops_per_gpu
 from training.config import load_run_config, parse_run_config
-from training.metrics import flops_per_iteration, mfu, tflops_per_gpu
+from training.metrics import mfu
 from training.schedules import BatchRamp, LearningRateSchedule
 
 ROOT = Path(__file__).resolve().parents[1]

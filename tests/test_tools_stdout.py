@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JSON_TOOLS = {  # tool -> (arguments that need no data and run in seconds, top-level keys its JSON must carry)
     "plan.py": (["--ds_config", "ds_configs/530b.json", "--nodes", "280", "--json"],
-                {"config", "gpu", "assumptions", "deepspeed", "parameters", "compute_optimal", "plans"}),
+                {"schema_version", "config", "gpu", "assumptions", "deepspeed", "parameters", "compute_optimal", "plans"}),
 }
 
 
@@ -48,6 +48,7 @@ def test_json_alone_on_stdout(tool):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # the whole of stdout is one JSON document
     assert keys <= set(report)
+    assert isinstance(report["schema_version"], int)  # every tool's JSON is a versioned interface
     if deepspeed_warns_about_the_accelerator():
         assert "Setting accelerator to CPU" in result.stderr  # moved, not silenced
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.hf_conversion import import_from_hf
+from hf.importer import import_from_hf
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.hf_conversion import ARCHITECTURES, DEFAULT_MAX_SHARD_SIZE, PRECISION_DTYPES, export_to_hf
+from hf.export import DEFAULT_MAX_SHARD_SIZE, export_to_hf
+from hf.tables import ARCHITECTURES, PRECISION_DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

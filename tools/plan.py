@@ -11,7 +11,7 @@ Results only on stdout (the tables, or JSON with --json); warnings, DeepSpeed's 
 and prints the --top fastest that fit (predicted full-batch iteration time), or them as JSON with --json.
 Exit status 0 when every plan is possible (with --search: when a layout fits); 1 with the reason on stderr when one is not (DP not a whole number, a full
 batch that does not split into micro-batches x DP, memory exceeded) or the input is invalid. Ramp sizes that do not
-split are a warning with a ramp that would. The formulas, constants and the --json schema: training/planner.py.
+split are a warning with a ramp that would. The formulas, constants and the --json schema: planner/.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import dataclasses
 import json
 import sys
 
-from tools.streams import deepspeed_logs_to_stderr
-from training.config import load_run_config
-from training.planner import (
+from planner import (
     ATTENTION_SCORES,
     GPU_PRESETS,
     Assumptions,
@@ -38,6 +36,8 @@ from training.planner import (
     search_layouts,
     search_to_dict,
 )
+from tools.streams import deepspeed_logs_to_stderr
+from training.config import load_run_config
 
 HARDWARE_FLAGS = {  # flag -> Hardware field
     "--peak-tflops": "peak_tflops", "--memory-gib": "memory_gib", "--hbm-gbytes-per-s": "hbm_gbytes_per_s",
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the preset's, 8)")
     parser.add_argument("--iteration-seconds", help="measured full-batch iteration times, one per node count "
                         "(comma-separated): report their TFLOP/s per GPU and MFU")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON (schema: training/planner.py)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (schema: planner/report.py)")
     parser.add_argument("--search", action="store_true", help="at one node count, try every layout (TP, PP, "
                         "micro-batch, sequence parallelism, recompute) and rank those that fit by iteration time")
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print (10)")

@@ -11,6 +11,7 @@ from data.gpt_dataset import build_gpt_datasets
 from data.index_cache import DEFAULT_FALLBACK_DIRECTORY, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, check_vocab_size
 from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset
+from model.config import set_option
 from model.parallel import ParallelContext, device
 from training.config import RunConfig
 
@@ -20,7 +21,7 @@ LoaderFactory = Callable[[int], Iterator]
 def blend_as_data_path(config: RunConfig) -> list[str]:
     if not config.data.blend:
         raise ValueError(f"{config.source}: data.blend is empty: give datasets with --data-path PREFIX (or "
-                         f"W1 PREFIX1 W2 PREFIX2 ...) or --set 'data.blend=[[1.0, \"path/prefix\"]]'")
+                         f"W1 PREFIX1 W2 PREFIX2 ...) or {set_option('data.blend', [[1.0, 'path/prefix']])}")
     return [str(item) for weight, prefix in config.data.blend for item in (weight, prefix)]
 
 

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
 from model.gpt import universal_checkpoint_info
 from model.parallel import ParallelContext, device
 from training import checkpoint
 from training.config import RunConfig
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
-from training.metrics import detect_peak_tflops, flops_per_iteration, mfu, model_flops_per_iteration, tflops_per_gpu
+from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.noise_scale import NoiseScaleMonitor
 
@@ -319,7 +320,7 @@ class Trainer:
 
     def initialise_from(self, directory: str) -> None:
         """Weights only (fresh optimizer); the schedules start at the import's start_tokens, the data at sample 0."""
-        from model.hf_conversion import read_import_record
+        from hf.importer import read_import_record
 
         start_tokens = checkpoint.load_weights(self.engine, directory)
         record = read_import_record(directory)

@@ -1,0 +1,216 @@
+"""The model block <-> a Hugging Face config: the fields an HF config fixes, the options refused, and the config an
+export writes.
+
+An HF config.json is read with the transformers config class of its architecture (its defaults for keys an older file
+lacks), then checked: an option this project's GPT does not have (a sliding window shorter than the context, a
+rope_scaling other than llama3, a free head_dim, ...) is refused naming the key. ``model_fields_from_hf`` gives the
+ModelConfig fields it fixes; ``check_model_matches`` names every field a run config's model block has otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf.tables import ARCHITECTURES, Architecture, compatible_architectures, resolve_architecture
+from model.config import LLAMA3_SCALING_KEYS, ModelConfig, set_option
+
+ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                      "gelu_fast": "gelu_tanh"}  # the three tanh approximations agree to ~1e-7
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype, end_of_text_id: int | None,
+              architecture: Architecture | None = None, begin_of_text_id: int | None = None):
+    """The transformers config of this model as ``architecture`` (default: the first that fits; vocabulary
+    unpadded). ``begin_of_text_id`` defaults to the end-of-text id (GPT-2's single <|endoftext|>)."""
+    architecture = architecture or resolve_architecture(config)
+    begin = end_of_text_id if begin_of_text_id is None else begin_of_text_id
+    if architecture.model_type == "gpt2":
+        from transformers import GPT2Config
+
+        ffn = config.ffn_hidden_size
+        return GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads,
+            n_inner=None if ffn == 4 * config.hidden_size else ffn,
+            activation_function=ACTIVATION_TO_HF[config.activation], layer_norm_epsilon=config.layernorm_epsilon,
+            resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
+            initializer_range=config.init_method_std, bos_token_id=begin, eos_token_id=end_of_text_id,
+            architectures=[architecture.name], tie_word_embeddings=True, dtype=str(dtype).removeprefix("torch."))
+    return _llama_family_config(config, dtype, architecture, begin, end_of_text_id)
+
+
+def _llama_family_config(config: ModelConfig, dtype: torch.dtype, architecture: Architecture, begin: int | None,
+                         end: int | None):
+    from transformers import AutoConfig
+
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    rope.pop("type", None)  # the legacy spelling of rope_type
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+        initializer_range=config.init_method_std, attention_dropout=config.attention_dropout,
+        tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope, bos_token_id=begin,
+        eos_token_id=end, architectures=[architecture.name], dtype=str(dtype).removeprefix("torch."))
+    if architecture.model_type == "llama":
+        fields.update(attention_bias=config.bias == "all", mlp_bias=config.bias == "all")
+    elif architecture.model_type == "mistral":
+        fields.update(sliding_window=None)
+    else:  # qwen2: the q, k, v biases are always there; no sliding window
+        fields.update(use_sliding_window=False, sliding_window=None)
+    return AutoConfig.for_model(architecture.model_type, **fields)
+
+
+
+def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
+    """From config.json's ``architectures`` (or, without it, ``model_type``)."""
+    architectures = raw.get("architectures") or []
+    by_type = [a for a in ARCHITECTURES.values() if a.model_type == raw.get("model_type")]
+    if len(architectures) == 1 and architectures[0] in ARCHITECTURES:
+        architecture = ARCHITECTURES[architectures[0]]
+    elif not architectures and len(by_type) == 1:
+        architecture = by_type[0]
+    else:
+        raise ValueError(f"{path}: architecture {architectures or raw.get('model_type')!r} is not supported: only "
+                         f"{', '.join(f'{a.name} (model_type {a.model_type})' for a in ARCHITECTURES.values())} "
+                         f"convert to this project's GPT")
+    if raw.get("model_type") not in (None, architecture.model_type):
+        raise ValueError(f"{path}: architectures says {architecture.name} but model_type is {raw['model_type']!r}, "
+                         f"not {architecture.model_type!r}")
+    return architecture
+
+
+def read_hf_config(hf_dir: str | Path):
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) of an HF model directory;
+    ValueError for any other architecture or an option this project's GPT does not have, naming the key."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: --model must be a Hugging Face model directory") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    architecture = _architecture_of_config(path, raw)
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[architecture.model_type].from_dict(raw)  # its defaults for keys an older file lacks
+    if architecture.model_type == "gpt2":
+        _check_gpt2_options(path, config)
+    else:
+        _check_llama_family_options(path, config, architecture)
+    return config
+
+
+def _check_gpt2_options(path: Path, config) -> None:
+    unsupported = {"activation_function": config.activation_function not in ACTIVATION_FROM_HF,
+                   "scale_attn_weights": not config.scale_attn_weights,
+                   "scale_attn_by_inverse_layer_idx": config.scale_attn_by_inverse_layer_idx,
+                   "add_cross_attention": config.add_cross_attention,
+                   "tie_word_embeddings": not config.tie_word_embeddings}
+    for key, bad in unsupported.items():
+        if bad:
+            raise ValueError(f"{path}: {key} = {getattr(config, key)!r} has no equivalent in this project's GPT "
+                             f"(activations {sorted(ACTIVATION_FROM_HF)}, attention scaled by 1/sqrt(d), no cross "
+                             "attention, output head tied to the embedding)")
+
+
+def _hf_rope(config) -> dict[str, Any]:
+    """transformers >= 5 keeps rope_theta and rope_scaling together in rope_parameters; older ones apart."""
+    rope = getattr(config, "rope_parameters", None)
+    if rope is None:
+        rope = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    return dict(rope)
+
+
+def _sliding_window(config) -> int | None:
+    """The window that config attends within, None when it attends to the whole context."""
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _check_llama_family_options(path: Path, config, architecture: Architecture) -> None:
+    window = _sliding_window(config)
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"{path}: sliding_window = {window} is shorter than max_position_embeddings "
+                         f"({config.max_position_embeddings}): this project's attention sees the whole context, so a "
+                         f"sliding-window model (as {architecture.name} configs of Mistral 7B v0.1/v0.2 are) does not "
+                         f"convert; only sliding_window null, or at least max_position_embeddings, does")
+    kind = _hf_rope(config).get("rope_type", _hf_rope(config).get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported: only \"llama3\" scaling (Llama "
+                         f"3.1+) or none")
+    missing = [key for key in LLAMA3_SCALING_KEYS if kind == "llama3" and key not in _hf_rope(config)]
+    head_dim = getattr(config, "head_dim", None)
+    attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
+    unsupported = {
+        "rope_scaling": (bool(missing), f"lacks {missing}"),
+        "hidden_act": (config.hidden_act != "silu", "only silu (SwiGLU) exists here"),
+        "head_dim": (head_dim not in (None, config.hidden_size // config.num_attention_heads),
+                     f"must be hidden_size / num_attention_heads = {config.hidden_size // config.num_attention_heads}"),
+        "attention_bias": (attention_bias != mlp_bias, f"with mlp_bias = {mlp_bias}: biases here are on every "
+                                                       f"linear layer, on none, or on q, k and v only (Qwen2)")}
+    for key, (bad, why) in unsupported.items():
+        if bad:
+            raise ValueError(f"{path}: {key} = {getattr(config, key, None)!r} has no equivalent in this project's "
+                             f"GPT: {why}")
+
+
+def architecture_of(config) -> Architecture:
+    """The Architecture of a transformers config read by read_hf_config."""
+    names = getattr(config, "architectures", None) or []
+    if len(names) == 1 and names[0] in ARCHITECTURES:
+        return ARCHITECTURES[names[0]]
+    return next(a for a in ARCHITECTURES.values() if a.model_type == config.model_type)
+
+
+def model_fields_from_hf(config) -> dict[str, Any]:
+    """The ModelConfig fields an HF config fixes."""
+    if config.model_type == "gpt2":
+        return {"num_layers": config.n_layer, "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
+                "max_position_embeddings": config.n_positions, "vocab_size": config.vocab_size,
+                "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
+                "activation": ACTIVATION_FROM_HF[config.activation_function], "position_embedding": "learned",
+                "norm": "layernorm", "mlp": "gelu", "num_key_value_heads": config.n_head, "tie_word_embeddings": True,
+                "bias": "all"}
+    rope = _hf_rope(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in LLAMA3_SCALING_KEYS}}
+    if config.model_type == "qwen2":
+        bias = "qkv"
+    else:
+        bias = "all" if getattr(config, "attention_bias", False) else "none"
+    return {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+            "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
+            "ffn_hidden_size": config.intermediate_size, "layernorm_epsilon": config.rms_norm_eps,
+            "position_embedding": "rope", "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
+            "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias}
+
+
+def check_model_matches(model: ModelConfig, hf, config_source: str, hf_dir: str | Path) -> None:
+    """ValueError naming every ModelConfig field that differs from the HF model's, and the options that fix it:
+    model.from_hf (the whole model block from the HF config), or each field."""
+    wanted = model_fields_from_hf(hf)
+    different = {field: value for field, value in wanted.items() if getattr(model, field) != value}
+    if not different:
+        return
+    whole = set_option("model.from_hf", str(hf_dir))
+    fixes = " ".join(set_option(f"model.{field}", value) for field, value in different.items())
+    hf_source = f"{hf_dir}/config.json"
+    architecture, fits = architecture_of(hf), compatible_architectures(model)
+    if architecture not in fits:
+        target = f"only {' / '.join(a.name for a in fits)}" if fits else "no Hugging Face architecture"
+        raise ValueError(f"{hf_source} is a {architecture.name}, but the model of {config_source} fits {target}: "
+                         f"take the model block from the HF config with {whole} (or set its fields: {fixes})")
+    wrong = [f"model.{field} is {getattr(model, field)!r} in {config_source}, the HF model has {value!r}"
+             for field, value in different.items()]
+    raise ValueError(f"the run config's model does not match {hf_source}:\n  " + "\n  ".join(wrong) +
+                     f"\ntake the model block from the HF config with {whole} (or set these fields: {fixes})")

@@ -1,0 +1,279 @@
+"""The map between this project's tensors and Hugging Face's: one literal table per architecture.
+
+Four architectures, each the same function as this project's GPT with the matching ModelConfig fields:
+
+    GPT2LMHeadModel      position_embedding "learned", norm "layernorm", mlp "gelu", tied, bias "all", multi-head
+    LlamaForCausalLM     position_embedding "rope" (llama3 scaling or none), norm "rmsnorm", mlp "swiglu", grouped KV
+                         heads, tied or not, bias "none" (or "all": attention_bias and mlp_bias)
+    MistralForCausalLM   as Llama, bias "none"; a sliding window shorter than the context is refused
+    Qwen2ForCausalLM     as Llama, bias "qkv" (q, k and v projections only); no sliding window
+
+Each architecture is one table below (``ARCHITECTURES``): our (layer, tensor) -> the HF name(s), ``{}`` standing for
+the block index, and the name of the transform (hf/transforms.py) that turns one into the other. ``layer_maps`` lists
+every saved layer of a model with its tensors, shapes and TP split; the layer index is the XX of layer_XX files:
+0 word embedding, 1 positions, 2..L+1 blocks, L+2 final norm, L+3 the untied head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from model.config import ModelConfig
+
+HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# Our tensors, by (layer kind, state_dict key): unsharded dims (symbols of ``_dimensions``) and the dimension split
+# over TP ranks (None: replicated). Which of them a model has follows from its config (``_our_keys``).
+OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
+    ("embedding", "weight"): (("padded_vocab", "h"), 0),
+    ("positions", "weight"): (("positions", "h"), None),
+    ("block", "ln1.weight"): (("h",), None),
+    ("block", "ln1.bias"): (("h",), None),
+    ("block", "attention.qkv.weight"): (("qkv", "h"), 0),
+    ("block", "attention.qkv.bias"): (("qkv",), 0),
+    ("block", "attention.dense.weight"): (("h", "h"), 1),
+    ("block", "attention.dense.bias"): (("h",), None),
+    ("block", "ln2.weight"): (("h",), None),
+    ("block", "ln2.bias"): (("h",), None),
+    ("block", "mlp.fc1.weight"): (("f", "h"), 0),
+    ("block", "mlp.fc1.bias"): (("f",), 0),
+    ("block", "mlp.fc2.weight"): (("h", "f"), 1),
+    ("block", "mlp.fc2.bias"): (("h",), None),
+    ("block", "mlp.gate_up.weight"): (("2f", "h"), 0),
+    ("block", "mlp.gate_up.bias"): (("2f",), 0),
+    ("block", "mlp.down.weight"): (("h", "f"), 1),
+    ("block", "mlp.down.bias"): (("h",), None),
+    ("final_norm", "weight"): (("h",), None),
+    ("final_norm", "bias"): (("h",), None),
+    ("head", "weight"): (("padded_vocab", "h"), 0),
+}
+
+# transform name -> (HF stores the transpose, layout); the layouts are handled by split_from_hf / merge_to_hf
+TRANSFORMS = {"copy": (False, "plain"), "vocab": (False, "vocab"), "conv1d": (True, "plain"),
+              "conv1d_qkv": (True, "qkv"), "grouped_qkv": (False, "grouped_qkv"), "gate_up": (False, "gate_up")}
+
+GPT2_TENSORS = {
+    ("embedding", "weight"): ("transformer.wte.weight", "vocab"),
+    ("positions", "weight"): ("transformer.wpe.weight", "copy"),
+    ("block", "ln1.weight"): ("transformer.h.{}.ln_1.weight", "copy"),
+    ("block", "ln1.bias"): ("transformer.h.{}.ln_1.bias", "copy"),
+    ("block", "attention.qkv.weight"): ("transformer.h.{}.attn.c_attn.weight", "conv1d_qkv"),
+    ("block", "attention.qkv.bias"): ("transformer.h.{}.attn.c_attn.bias", "conv1d_qkv"),
+    ("block", "attention.dense.weight"): ("transformer.h.{}.attn.c_proj.weight", "conv1d"),
+    ("block", "attention.dense.bias"): ("transformer.h.{}.attn.c_proj.bias", "copy"),
+    ("block", "ln2.weight"): ("transformer.h.{}.ln_2.weight", "copy"),
+    ("block", "ln2.bias"): ("transformer.h.{}.ln_2.bias", "copy"),
+    ("block", "mlp.fc1.weight"): ("transformer.h.{}.mlp.c_fc.weight", "conv1d"),
+    ("block", "mlp.fc1.bias"): ("transformer.h.{}.mlp.c_fc.bias", "copy"),
+    ("block", "mlp.fc2.weight"): ("transformer.h.{}.mlp.c_proj.weight", "conv1d"),
+    ("block", "mlp.fc2.bias"): ("transformer.h.{}.mlp.c_proj.bias", "copy"),
+    ("final_norm", "weight"): ("transformer.ln_f.weight", "copy"),
+    ("final_norm", "bias"): ("transformer.ln_f.bias", "copy"),
+}
+
+_ATTENTION = "model.layers.{}.self_attn."
+LLAMA_TENSORS = {  # LlamaForCausalLM; MistralForCausalLM and Qwen2ForCausalLM name their tensors the same way
+    ("embedding", "weight"): ("model.embed_tokens.weight", "vocab"),
+    ("block", "ln1.weight"): ("model.layers.{}.input_layernorm.weight", "copy"),
+    ("block", "attention.qkv.weight"): ((_ATTENTION + "q_proj.weight", _ATTENTION + "k_proj.weight",
+                                         _ATTENTION + "v_proj.weight"), "grouped_qkv"),
+    ("block", "attention.qkv.bias"): ((_ATTENTION + "q_proj.bias", _ATTENTION + "k_proj.bias",
+                                       _ATTENTION + "v_proj.bias"), "grouped_qkv"),
+    ("block", "attention.dense.weight"): (_ATTENTION + "o_proj.weight", "copy"),
+    ("block", "attention.dense.bias"): (_ATTENTION + "o_proj.bias", "copy"),
+    ("block", "ln2.weight"): ("model.layers.{}.post_attention_layernorm.weight", "copy"),
+    ("block", "mlp.gate_up.weight"): (("model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"),
+                                      "gate_up"),
+    ("block", "mlp.gate_up.bias"): (("model.layers.{}.mlp.gate_proj.bias", "model.layers.{}.mlp.up_proj.bias"),
+                                    "gate_up"),
+    ("block", "mlp.down.weight"): ("model.layers.{}.mlp.down_proj.weight", "copy"),
+    ("block", "mlp.down.bias"): ("model.layers.{}.mlp.down_proj.bias", "copy"),
+    ("final_norm", "weight"): ("model.norm.weight", "copy"),
+    ("head", "weight"): ("lm_head.weight", "vocab"),
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face architecture: its names and its tensor table."""
+
+    name: str
+    """config.json's ``architectures`` entry (the transformers class)."""
+    model_type: str
+    base_prefix: str
+    """Prefix of the base model's weights: a directory saved from the base model (GPT2Model) lacks it."""
+    tensors: dict[tuple[str, str], tuple[str | tuple[str, ...], str]]
+    """(our layer kind, our key) -> (HF name or names, ``{}`` for the block index; transform name)."""
+
+
+ARCHITECTURES = {arch.name: arch for arch in (
+    Architecture("GPT2LMHeadModel", "gpt2", "transformer.", GPT2_TENSORS),
+    Architecture("LlamaForCausalLM", "llama", "model.", LLAMA_TENSORS),
+    Architecture("MistralForCausalLM", "mistral", "model.", LLAMA_TENSORS),
+    Architecture("Qwen2ForCausalLM", "qwen2", "model.", LLAMA_TENSORS),
+)}
+
+
+def compatible_architectures(config: ModelConfig) -> list[Architecture]:
+    """The HF architectures that compute this model's function, preferred first (none for a mixed shape)."""
+    if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias) == (
+            "learned", "layernorm", "gelu", True, "all") and config.num_key_value_heads == config.num_attention_heads:
+        return [ARCHITECTURES["GPT2LMHeadModel"]]
+    if (config.position_embedding, config.norm, config.mlp) != ("rope", "rmsnorm", "swiglu"):
+        return []
+    names = {"none": ["LlamaForCausalLM", "MistralForCausalLM"], "all": ["LlamaForCausalLM"],
+             "qkv": ["Qwen2ForCausalLM"]}[config.bias]
+    return [ARCHITECTURES[name] for name in names]
+
+
+def resolve_architecture(config: ModelConfig, name: str | None = None) -> Architecture:
+    """``name`` (checked against the model's shape), or the first architecture that fits the shape."""
+    fits = compatible_architectures(config)
+    if name is not None and name not in ARCHITECTURES:
+        raise ValueError(f"architecture {name!r} is not supported: choose one of {sorted(ARCHITECTURES)}")
+    if not fits:
+        fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
+                                                        "bias", "num_key_value_heads")}
+        raise ValueError(f"this model's shape ({', '.join(f'model.{k} = {v!r}' for k, v in fields.items())}) is no "
+                         f"Hugging Face architecture converted here: GPT-2's is learned/layernorm/gelu/tied/bias all, "
+                         f"the Llama family's rope/rmsnorm/swiglu")
+    if name is None:
+        return fits[0]
+    if ARCHITECTURES[name] not in fits:
+        raise ValueError(f"this model's shape converts only to {' / '.join(a.name for a in fits)}, not {name}")
+    return ARCHITECTURES[name]
+
+
+class TensorMap(NamedTuple):
+    """One tensor of one layer, here and in Hugging Face."""
+
+    ours: str
+    """Key in the layer's state_dict (one layer_XX file)."""
+    hf: str | tuple[str, ...]
+    """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up)."""
+    dims: tuple[str, ...]
+    """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, positions, padded_vocab)."""
+    partition_dim: int | None = None
+    """Dimension split over TP ranks here; None: replicated on every TP rank."""
+    transposed: bool = False
+    """HF's Conv1D stores [in, out], the transpose of our Linear's [out, in]."""
+    layout: str = "plain"
+    """"qkv": GPT-2's rows per head [heads, 3, d] here, [3, heads, d] in HF; "grouped_qkv": rows per KV group here,
+    HF's q, k, v apart; "gate_up": [gate_r; up_r] per TP rank here, HF's gate and up apart; "vocab": padding rows
+    here only."""
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,) if isinstance(self.hf, str) else self.hf
+
+
+class LayerMap(NamedTuple):
+    index: int
+    """Position in gpt_layer_specs, the XX of layer_XX files."""
+    name: str
+    tensors: tuple[TensorMap, ...]
+
+
+def _our_keys(config: ModelConfig, kind: str) -> list[str]:
+    """The state_dict keys of one layer of this model (layer kinds as in OUR_TENSORS)."""
+    norm = ["weight", "bias"] if config.norm == "layernorm" else ["weight"]
+    if kind == "embedding":
+        return ["weight"]
+    if kind == "positions":
+        return ["weight"] if config.position_embedding == "learned" else []
+    if kind == "final_norm":
+        return norm
+    if kind == "head":
+        return [] if config.tie_word_embeddings else ["weight"]
+    first, second = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
+    keys = [f"ln1.{p}" for p in norm] + ["attention.qkv.weight"]
+    keys += ["attention.qkv.bias"] if config.qkv_has_bias else []
+    keys += ["attention.dense.weight"] + (["attention.dense.bias"] if config.other_linears_have_bias else [])
+    keys += [f"ln2.{p}" for p in norm]
+    for linear in (first, second):
+        keys += [f"mlp.{linear}.weight"] + ([f"mlp.{linear}.bias"] if config.other_linears_have_bias else [])
+    return keys
+
+
+def _layer_tensors(config: ModelConfig, architecture: Architecture, kind: str, block: int = 0
+                   ) -> tuple[TensorMap, ...]:
+    tensors = []
+    for key in _our_keys(config, kind):
+        if (kind, key) not in architecture.tensors:
+            raise ValueError(f"{architecture.name} has no tensor for this model's {kind} {key}: the model's shape "
+                             f"is not a {architecture.name}")
+        hf, transform = architecture.tensors[kind, key]
+        names = hf.format(block) if isinstance(hf, str) else tuple(name.format(block) for name in hf)
+        dims, partition_dim = OUR_TENSORS[kind, key]
+        transposed, layout = TRANSFORMS[transform]
+        tensors.append(TensorMap(key, names, dims, partition_dim, transposed, layout))
+    return tuple(tensors)
+
+
+def layer_maps(config: ModelConfig, architecture: Architecture | None = None) -> list[LayerMap]:
+    """Every saved layer, in pipeline order (the tied output head is the embedding, layer 0: not saved again).
+
+    ``architecture`` defaults to the first that fits the model's shape (the tensor names of Llama, Mistral and
+    Qwen2 are the same)."""
+    architecture = architecture or resolve_architecture(config)
+    last = config.num_layers + 2
+    maps = [LayerMap(0, "word embedding", _layer_tensors(config, architecture, "embedding")),
+            LayerMap(1, "position embedding" if config.position_embedding == "learned" else "embedding dropout",
+                     _layer_tensors(config, architecture, "positions")),
+            *[LayerMap(2 + i, f"transformer block {i}", _layer_tensors(config, architecture, "block", i))
+              for i in range(config.num_layers)],
+            LayerMap(last, "final norm", _layer_tensors(config, architecture, "final_norm"))]
+    if not config.tie_word_embeddings:
+        maps.append(LayerMap(last + 1, "output head", _layer_tensors(config, architecture, "head")))
+    return maps
+
+
+def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int]:
+    f = config.ffn_hidden_size
+    return {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f,
+            "positions": config.max_position_embeddings, "padded_vocab": config.padded_vocab_size(tensor_parallel_size)}
+
+
+def full_shape(tensor: TensorMap, config: ModelConfig, tensor_parallel_size: int) -> tuple[int, ...]:
+    """The unsharded shape here (the vocabulary padded for this TP size)."""
+    sizes = _dimensions(config, tensor_parallel_size)
+    return tuple(sizes[d] for d in tensor.dims)
+
+
+def shard_shape(tensor: TensorMap, config: ModelConfig, tensor_parallel_size: int) -> tuple[int, ...]:
+    shape = list(full_shape(tensor, config, tensor_parallel_size))
+    if tensor.partition_dim is not None:
+        shape[tensor.partition_dim] //= tensor_parallel_size
+    return tuple(shape)
+
+
+def hf_shape(tensor: TensorMap, config: ModelConfig) -> tuple[int, ...]:
+    """The HF shape of a tensor that is one tensor in HF too."""
+    shape = full_shape(tensor, config, 1)
+    if tensor.layout == "vocab":
+        shape = (config.vocab_size, *shape[1:])
+    return tuple(reversed(shape)) if tensor.transposed else shape
+
+
+def hf_tensor_shapes(tensor: TensorMap, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor of one of ours, by name, in the order of ``tensor.hf_names``."""
+    rest = full_shape(tensor, config, 1)[1:]  # () for a bias, (h,) for a weight
+    if tensor.layout == "grouped_qkv":
+        d = config.head_dim
+        sizes = (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d)
+        return {name: (size, *rest) for name, size in zip(tensor.hf_names, sizes, strict=True)}
+    if tensor.layout == "gate_up":
+        return {name: (config.ffn_hidden_size, *rest) for name in tensor.hf_names}
+    return {tensor.hf: hf_shape(tensor, config)}
+
+
+def hf_shapes(config: ModelConfig, architecture: Architecture | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the exported model, in the order the export writes them."""
+    return {name: shape for layer in layer_maps(config, architecture) for t in layer.tensors
+            for name, shape in hf_tensor_shapes(t, config).items()}
+

@@ -1,0 +1,102 @@
+"""The transforms between a tensor here (TP shards) and in Hugging Face, named in the tables (hf/tables.py):
+
+    here (TP shards merged)                              Hugging Face                                  transform
+    word embedding / untied head [V_padded, h]           embed_tokens / wte / lm_head [V, h]           "vocab"
+      rows split over TP                                   the padding rows dropped (zeros on import)
+    Linear weights [out, in]                             GPT-2's Conv1D [in, out]: the transpose       "conv1d"
+    GPT-2 qkv [3h, h], rows [heads, 3 (q,k,v), d]        c_attn [h, 3h], columns [3 (q,k,v), heads, d]  "conv1d_qkv"
+    grouped qkv [(nh + 2 g) d, h], rows per KV group     q_proj [nh d, h], k_proj, v_proj [g d, h]      "grouped_qkv"
+      [g, nh/g + 2, d]: the group's query heads, k, v    (query head j in group j // (nh/g))
+    gate_up [2 f, h]: TP rank r holds [gate_r; up_r]     gate_proj, up_proj [f, h]                     "gate_up"
+    everything else                                      the same tensor                               "copy"
+
+RoPE is HF's non-interleaved rotate_half here too, so q_proj and k_proj need no row permutation.
+
+The padded vocabulary rows (ids >= vocab_size, whose logits this project forces to -inf) are dropped on export: the
+HF model has exactly the tokenizer's vocabulary and gives the same distribution. On import they are zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hf.tables import TensorMap, hf_shape
+from model.config import ModelConfig
+
+
+def _qkv_hf_to_heads(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [3, heads, d] -> [heads, 3, d] (any trailing dims)."""
+    return tensor.reshape(3, num_heads, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+
+def _grouped_qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q [nh d, ...], k and v [g d, ...] -> rows [g, nh/g + 2, d]: each group's query heads, its k, its v."""
+    groups, d = config.num_key_value_heads, config.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, config.queries_per_key_value_head, d, *rest), k.reshape(groups, 1, d, *rest),
+             v.reshape(groups, 1, d, *rest))
+    return torch.cat(parts, dim=1).reshape(config.qkv_size, *rest)
+
+
+def _grouped_qkv_to_hf(full: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]:
+    per_group, rest = config.queries_per_key_value_head, full.shape[1:]
+    grouped = full.reshape(config.num_key_value_heads, per_group + 2, config.head_dim, *rest)
+    return (grouped[:, :per_group].reshape(-1, *rest).clone(), grouped[:, per_group].reshape(-1, *rest).clone(),
+            grouped[:, per_group + 1].reshape(-1, *rest).clone())
+
+
+def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConfig
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The TP shards of one tensor (rank order) -> the HF tensor (a tuple in ``tensor.hf_names`` order for a tensor
+    fused here). Replicated: rank 0's copy.
+
+    One allocation for a single HF tensor: each shard is copied straight into its place in the output.
+    """
+    if tensor.layout == "grouped_qkv":  # whole KV groups per rank: the full tensor is the concatenation
+        return _grouped_qkv_to_hf(torch.cat(shards), config)
+    if tensor.layout == "gate_up":  # rank r: [gate_r; up_r]
+        halves = [shard.chunk(2) for shard in shards]
+        return torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])
+    out = torch.empty(hf_shape(tensor, config), dtype=shards[0].dtype)
+    ours = out.t() if tensor.transposed else out  # the output seen in our [out, in] orientation
+    if tensor.partition_dim is None:
+        ours.copy_(shards[0])
+    elif tensor.layout == "qkv":  # rows [3, heads, d] in the output, [heads/R, 3, d] in each shard
+        heads = config.num_attention_heads // len(shards)
+        ours = ours.unflatten(0, (3, config.num_attention_heads, -1))
+        for rank, shard in enumerate(shards):
+            ours.narrow(1, rank * heads, heads).copy_(shard.unflatten(0, (heads, 3, -1)).transpose(0, 1))
+    else:
+        for rank, shard in enumerate(shards):
+            size = shard.shape[tensor.partition_dim]
+            start = rank * size
+            size = min(size, ours.shape[tensor.partition_dim] - start)  # the vocabulary padding is dropped
+            if size > 0:
+                ours.narrow(tensor.partition_dim, start, size).copy_(shard.narrow(tensor.partition_dim, 0, size))
+    return out
+
+
+def split_from_hf(tensor: TensorMap, value: torch.Tensor | Sequence[torch.Tensor], config: ModelConfig,
+                  tensor_parallel_size: int) -> list[torch.Tensor]:
+    """An HF tensor (a sequence in ``tensor.hf_names`` order for a tensor fused here) -> this project's shard for
+    each TP rank (rank order), each its own storage."""
+    if tensor.layout == "gate_up":  # rank r: [gate rows of r; up rows of r]
+        gate, up = (part.chunk(tensor_parallel_size) for part in value)
+        return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
+    if tensor.layout == "grouped_qkv":
+        full = _grouped_qkv_from_hf(*value, config)
+    else:
+        full = value.t() if tensor.transposed else value
+    if tensor.layout == "qkv":
+        full = _qkv_hf_to_heads(full, config.num_attention_heads)
+    elif tensor.layout == "vocab":
+        padding = config.padded_vocab_size(tensor_parallel_size) - full.shape[0]
+        full = torch.cat([full, full.new_zeros(padding, *full.shape[1:])])  # padded ids: logits are -inf anyway
+    if tensor.partition_dim is None:
+        return [full.clone(memory_format=torch.contiguous_format) for _ in range(tensor_parallel_size)]
+    # clone: torch.save of a view would write the whole underlying storage into every shard file
+    return [chunk.clone(memory_format=torch.contiguous_format)
+            for chunk in full.chunk(tensor_parallel_size, dim=tensor.partition_dim)]
+

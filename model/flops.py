@@ -1,0 +1,93 @@
+"""FLOPs of the model: per block and token, and per iteration (model FLOPs and hardware FLOPs), TFLOP/s per GPU.
+
+Two counts of one iteration's FLOPs (B global batch in sequences, s sequence length, l layers, h hidden, V padded
+vocabulary; GPT shape, Narayanan et al. 2021, eq. 3):
+    model FLOPs, 3 forwards' worth (forward + backward), no recompute: what the model needs, PaLM's (Chowdhery et al.
+        2022, appendix B) definition of MFU:       F_model = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))
+    hardware FLOPs, what the GPUs compute: the model FLOPs plus the recomputed forwards of model.recompute, per block
+        (its first recompute_num_layers blocks of each pipeline stage, or all):
+        "full"      one more forward of the block: 24 h^2 + 4 s h per token (all blocks: 96 and V / (16 l h))
+        "selective" the attention core's forward only, softmax(Q K^T) V: 4 s h per token
+        "none"      nothing
+The logits (2 h V per token forward) are never recomputed. The trainer (training/metrics.py) and the planner
+(planner/) both count with these functions.
+"""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+
+def layer_forward_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of one transformer block per token: 2 x its matmul weights, plus the attention core.
+
+    Weights: QKV (h x (query + 2 key/value heads) x head_dim), the output projection (h x h), the MLP (2 matrices of
+    h x ffn for GeLU, 3 for SwiGLU). The core, QK^T and the weighted sum of V, is 4 s h per token for every query head
+    (grouped-query attention repeats K and V; causality is not discounted, as in Narayanan et al.). For the GPT
+    shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et al. 2021.
+    """
+    h = config.hidden_size
+    weights = h * config.qkv_size + h * h + (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    return 2.0 * weights + 4.0 * config.seq_length * h
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_flops_per_token(config: ModelConfig, recompute: str) -> float:
+    """Forward FLOPs one block recomputes in its backward, per token: all of them ("full"), the attention core's 4 s h
+    ("selective": QK^T and the weighted sum of V, the s-dependent term of layer_forward_flops_per_token), or none."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute == "full":
+        return layer_forward_flops_per_token(config)
+    return 4.0 * config.seq_length * config.hidden_size if recompute == "selective" else 0.0
+
+
+def recomputed_blocks(config: ModelConfig, pipeline_parallel_size: int | None, recompute: str | None = None) -> int:
+    """Blocks of the whole model that recompute: model.recompute_num_layers of each of the pipeline stages (every
+    block when it is None), or none with recompute "none"."""
+    recompute = config.recompute if recompute is None else recompute
+    if recompute == "none":
+        return 0
+    if config.recompute_num_layers is None:
+        return config.num_layers
+    if pipeline_parallel_size is None:
+        raise ValueError("model.recompute_num_layers counts blocks per pipeline stage: pass pipeline_parallel_size")
+    per_stage = config.num_layers // pipeline_parallel_size
+    return min(config.recompute_num_layers, per_stage) * pipeline_parallel_size
+
+
+def _recompute_mode(config: ModelConfig, recompute: str | bool | None) -> str:
+    """None: the config's mode; a string: that mode; the old booleans: True "full", False "none"."""
+    if recompute is None:
+        return config.recompute
+    if isinstance(recompute, bool):
+        return "full" if recompute else "none"
+    return recompute
+
+
+def flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_size: int,
+                        recompute: str | bool | None = None, pipeline_parallel_size: int | None = None) -> float:
+    """Hardware FLOPs of one optimizer step of ``global_batch`` sequences: the model FLOPs (3 forwards' worth) plus
+    the forwards that ``recompute`` reruns (default: the config's mode; True / False mean "full" / "none"). With
+    model.recompute_num_layers set, ``pipeline_parallel_size`` says how many blocks that is.
+
+    GPT shape: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with every block fully recomputed, 72 B s l h^2 (1 + s/(6h) +
+    V/(12 l h)) with none (model_flops_per_iteration).
+    """
+    mode = _recompute_mode(config, recompute)
+    tokens = global_batch * config.seq_length
+    recomputed = recomputed_blocks(config, pipeline_parallel_size, mode) * recompute_flops_per_token(config, mode)
+    return model_flops_per_iteration(config, global_batch, tensor_parallel_size) + tokens * recomputed
+
+
+def model_flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_size: int) -> float:
+    """Model FLOPs of one optimizer step: forward + backward, 3 forwards' worth, no recompute (PaLM's MFU)."""
+    tokens = global_batch * config.seq_length
+    logits = 3.0 * 2.0 * config.hidden_size * config.padded_vocab_size(tensor_parallel_size)
+    return tokens * (3.0 * config.num_layers * layer_forward_flops_per_token(config) + logits)
+
+
+def tflops_per_gpu(flops: float, iteration_seconds: float, num_gpus: int) -> float:
+    return flops / (iteration_seconds * num_gpus * 1e12)

@@ -1,0 +1,302 @@
+"""Parameters and memory of one pipeline stage on one GPU: weights, gradients, optimizer states, activations.
+
+Parameters are counted on the meta device (model/summary.py). The bytes per parameter come from
+``planner.hardware.DeepSpeedLayout``; the activations from what THIS implementation keeps for its backward, one row
+per tensor (``layer_stored_tensors``).
+
+Everything below is per GPU and per optimizer step unless named otherwise. t, p, d: tensor-, pipeline-, data-parallel
+sizes; s sequence length, b micro-batch, h hidden, a heads, V padded vocabulary; N_i the parameters of one TP rank of
+pipeline stage i (counted on the meta device by model/summary.py); m = global batch / (b d) micro-batches per pipeline.
+
+Memory of stage i
+    weights + grads + accumulation buffer + master + Adam       as above
+    activations = held x per_micro_batch + working_set, held = min(p - i, m) (a 1F1B stage keeps the micro-batches
+        whose backward has not run: DeepSpeed's ``TrainSchedule.num_pipe_buffers``).
+        Per block and micro-batch: what THIS implementation keeps for the backward (``layer_stored_tensors``, one row
+        per tensor, each with the recompute modes that keep it), in the model dtype (e bytes: 2 bf16, 4 fp32), per
+        token, with u = 1/t with SP (outside the TP matmuls a rank holds s/t positions) and 1 without, f the FFN,
+        q the QKV rows (3h multi-head):
+          "none": 4 h u (the block output, ln1 output, attention residual sum = ln2 input, ln2 output) + q/t (the
+            QKV output; q, k, v are views of it) + h/t (the attention output, the dense layer's input) + 2 f/t (fc1
+            output and GeLU output); fp32 extras: LayerNorm mean and rstd, 2 norms x 2 x 4 u bytes, and the fused
+            SDPA's logsumexp, 4 a/t bytes. GPT: 16 h at t = 1, 16 h / t with SP. The fused kernels (flash, memory-
+            efficient; CPU's flash too) write their output in (b, s, a, d) layout, so with q a view of the QKV output
+            the dense layer's input, transpose(1, 2).reshape, is a view of the SDPA output, not a copy (measured with
+            saved-tensor hooks on the tiny GPT, CPU fp32: 15.125 h per token besides the block's input).
+          "selective" (the attention core checkpointed, model/gpt.py SelfAttention.core): the same minus the SDPA
+            logsumexp, and the SDPA output where the dense input is a copy of it (below); with the GPT shape that is
+            all it saves: the dense layer still keeps the core's output, of which its input is a view. With the scores stored
+            (below) it drops the s x s terms too: that is where selective matters (Korthikanti et al.'s 5 a s^2 b).
+          "full": the block output only, e h u (its input is the previous block's output), and while one block is
+            recomputed its whole "none" set is alive once (the working set; "selective": the recomputed core).
+        Derived from the code, not measured, for the Llama shapes: RMSNorm keeps its normalised x (e h u), its
+        rsqrt (4 u bytes) and, in 16-bit, the fp32 copy of its input (4 h u bytes), per norm; SwiGLU 4 f/t (gate_up
+        output 2 f/t, silu output, the product); with GQA (flatten copies the query) or RoPE (rotates it) SDPA keeps
+        a query of its own, h/t. The SDPA output takes the query's layout: (b, s, a, d) when the query is a view of
+        the QKV output, and then the dense input is a view of it, as for GPT; but when a rank holds more than one
+        key/value group of more than one query head, GQA's flatten copies the query to (b, a, s, d), the output is
+        laid out so too and the dense input is a transposed copy: h/t more, which selective drops (both cases are
+        measured in tests/test_activation_memory.py: the Llama block at TP 1, 2 groups, and TP 2, 1 group); RoPE keeps the rotated keys, g d/t, and cos and sin, 2 s d per block
+        (x cos + rotate_half(x) sin keeps only those, the factors without a gradient). With hidden_dropout > 0:
+        two bool masks (CUDA's native_dropout), 2 h u bytes, and the embedding's, h u, on the first stage. The
+        fused CUDA kernels take the attention dropout without a mask (they regenerate it from the RNG state), so
+        attention_dropout adds nothing unless the scores are stored.
+        Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2-4) for reference: s b h (34 + 5 a s / h) bytes at t = 1,
+        16-bit, with dropout masks; s b h (10 + 24 / t + 5 a s / (h t)) with TP; (34 + 5 a s / h) / t with SP. Their
+        5 a s / h term (softmax output, dropout mask and output, 5 a s^2 b / t bytes) is what Assumptions
+        .attention_scores "stored" adds in place of the logsumexp and SDPA output, the unfused math kernel (an
+        explicit mask, or a head dimension neither fused kernel takes); "recomputed" (default) leaves it out.
+        recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
+        Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
+        the last stage adds its head once: the final norm's output (the head's input) and statistics, and the
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+from model.gpt import FINAL_NORMS
+from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
+from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
+from training.config import RunConfig
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    stages: list[StageCount]
+    """Every stage of one TP rank, built on the meta device, with the closed-form count beside it."""
+    total: int
+    """One replica from the modules, the tied embedding once."""
+    analytic_total: int
+    """model.summary.analytic_total_parameters."""
+
+
+def count_parameters(config: RunConfig) -> ParameterCounts:
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    stages = count_stages(config.model, tp, pp)
+    return ParameterCounts(stages, total_from_stages(stages, config.model, tp),
+                           analytic_total_parameters(config.model, tp))
+
+
+def transformer_layers(count: StageCount) -> int:
+    return sum(name == "TransformerLayer" for name in count.layers)
+
+
+def hidden_tensor_bytes(model: ModelConfig, micro_batch: int) -> int:
+    """One (b, s, h) activation in the model dtype: what a layer takes in and what a stage sends (2 s b h in bf16)."""
+    return model.seq_length * micro_batch * model.hidden_size * DTYPE_BYTES[model.precision]
+
+
+FINAL_NORM_LAYERS = {norm.__name__ for norm in FINAL_NORMS.values()}
+
+
+def holds_head(count: StageCount) -> bool:
+    """The last stage: it holds the final norm (and computes the logits and the loss)."""
+    return any(name in FINAL_NORM_LAYERS for name in count.layers)
+
+
+ALL_MODES = ("none", "selective", "full")
+STORING_MODES = ("none", "selective")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One row of what a block keeps for its backward: bytes per token of the micro-batch, and the recompute modes
+    that keep it."""
+
+    name: str
+    bytes_per_token: float
+    modes: tuple[str, ...]
+
+
+def _norm_rows(model: ModelConfig, replicated: float, what: str) -> list[StoredTensor]:
+    """What one norm keeps besides its input and output. ``replicated`` is h u, the norm's width on this rank."""
+    dtype = DTYPE_BYTES[model.precision]
+    if model.norm == "layernorm":  # native_layer_norm: the mean and 1/std of each position, fp32
+        return [StoredTensor(f"{what}: mean and rstd (fp32)", 2 * 4 * replicated / model.hidden_size, STORING_MODES)]
+    rows = [StoredTensor(f"{what}: rsqrt (fp32) and the normalised x (model dtype)",
+                         4 * replicated / model.hidden_size + dtype * replicated, STORING_MODES)]
+    if dtype != 4:  # RMSNorm computes in fp32: x.float() is a new tensor, kept by pow and by the mul
+        rows.append(StoredTensor(f"{what}: the fp32 copy of its input", 4 * replicated, STORING_MODES))
+    return rows
+
+
+def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
+                         attention_scores_stored: bool = False, micro_batch: int = 1) -> list[StoredTensor]:
+    """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
+    micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
+    layer_activation_bytes (module docstring)."""
+    h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
+    dtype = DTYPE_BYTES[model.precision]
+    u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
+    replicated, heads = h * u, model.num_attention_heads / t
+    kv = model.num_key_value_heads * model.head_dim / t
+    query_copied = model.queries_per_key_value_head > 1 or model.position_embedding == "rope"
+    # The SDPA output takes the query's memory layout. The query is a view of the QKV output, laid out (b, s, a, d),
+    # unless a rank holds several key/value groups of several query heads: flatten then copies it to (b, a, s, d)
+    # (RoPE's rotation keeps whichever layout it gets).
+    query_contiguous = model.queries_per_key_value_head > 1 and model.num_key_value_heads // t > 1
+    rows = [
+        StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
+        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES),
+        *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
+        StoredTensor("QKV output (q, k, v are views of it)", dtype * model.qkv_size / t, STORING_MODES),
+    ]
+    if query_copied:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
+        rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * h / t, STORING_MODES))
+    if model.position_embedding == "rope":  # the rotated keys; x cos and rotate_half(x) sin keep cos and sin only
+        rows += [StoredTensor("rotated keys", dtype * kv, STORING_MODES),
+                 StoredTensor("RoPE cos and sin, (s, d) each per block", 2 * dtype * model.head_dim / micro_batch,
+                              STORING_MODES)]
+    rows.append(StoredTensor("attention output, the dense layer's input", dtype * h / t, STORING_MODES))
+    if attention_scores_stored:  # Korthikanti et al.: softmax output, dropout mask, dropout output (5 a s^2 b / t)
+        rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * dtype / 2,
+                                 ("none",)))
+    else:  # the fused kernel keeps its output and one fp32 statistic per row and head
+        rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
+        if query_contiguous:  # its output is then (b, a, s, d) too: the dense input is a transposed copy
+            rows.append(StoredTensor("SDPA output", dtype * h / t, ("none",)))
+    if model.mlp == "swiglu":
+        rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
+    else:
+        rows.append(StoredTensor("fc1 output (GeLU input), GeLU output", dtype * 2 * f / t, STORING_MODES))
+    if model.hidden_dropout > 0:  # CUDA's native_dropout keeps a bool mask
+        rows.append(StoredTensor("hidden dropout masks (bool)", 2 * replicated, STORING_MODES))
+    return rows
+
+
+def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int, *,
+                           sequence_parallel: bool, recompute: str, attention_scores_stored: bool = False) -> float:
+    """Bytes one block keeps for its backward per micro-batch, its output counted ("full": the output alone, h u
+    per token), by default without the s x s scores, which the fused kernel the model runs does not keep."""
+    if recompute not in ALL_MODES:
+        raise ValueError(f"recompute must be one of {ALL_MODES}, got {recompute!r}")
+    rows = layer_stored_tensors(model, tensor_parallel_size, sequence_parallel=sequence_parallel,
+                                attention_scores_stored=attention_scores_stored, micro_batch=micro_batch)
+    tokens = model.seq_length * micro_batch
+    return tokens * sum(row.bytes_per_token for row in rows if recompute in row.modes)
+
+
+def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at once: min(p - stage, m)."""
+    return min(pipeline_parallel_size - stage, micro_batches)
+
+
+def recomputing_blocks(model: ModelConfig, count: StageCount, recompute: str) -> int:
+    """Blocks of this stage that recompute: its first recompute_num_layers, or all of them (0 with "none")."""
+    blocks = transformer_layers(count)
+    if recompute == "none":
+        return 0
+    return blocks if model.recompute_num_layers is None else min(model.recompute_num_layers, blocks)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    per_micro_batch: int
+    """Held per micro-batch: the stage's input, each block's stored set (its mode's), the embedding dropout mask."""
+    working_set: int
+    """Alive once: a recomputed block's recomputed part ("full": its whole set) and the head on the last stage."""
+
+
+def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int, *,
+                      sequence_parallel: bool = False, recompute: str | None = None,
+                      attention_scores_stored: bool = False) -> StageActivations:
+    """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied."""
+    recompute = model.recompute if recompute is None else recompute
+    s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
+    u = 1.0 / t if sequence_parallel else 1.0
+    dtype = DTYPE_BYTES[model.precision]
+
+    def layer(mode: str) -> float:
+        return layer_activation_bytes(model, b, t, sequence_parallel=sequence_parallel, recompute=mode,
+                                      attention_scores_stored=attention_scores_stored)
+
+    blocks, recomputing = transformer_layers(count), recomputing_blocks(model, count, recompute)
+    stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
+    stage_input = hidden_tensor_bytes(model, b) * u
+    first_stage_mask = s * b * h * u if count.stage == 0 and model.hidden_dropout > 0 else 0
+    recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
+    head = 0.0
+    if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
+        norm = s * b * sum(row.bytes_per_token for row in _norm_rows(model, h * u, "final norm"))
+        head = dtype * s * b * h * u + norm + 2 * dtype * s * b * model.padded_vocab_size(t) / t
+    return StageActivations(per_micro_batch=int(stored + stage_input + first_stage_mask),
+                            working_set=int(recomputed + head))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one GPU of a pipeline stage at the full batch."""
+
+    stage: int
+    parameters: int
+    """Parameters of this stage's TP rank (N_i)."""
+    weights: int
+    gradients: int
+    """.grad in the model dtype."""
+    gradient_accumulation: int
+    """BF16_Optimizer's fp32 buffer, full size."""
+    gradient_partition: int
+    """The ZeRO optimizer's fp32 gradient partition (1/DP)."""
+    master_weights: int
+    """fp32, 1/DP (ZeRO-1)."""
+    adam_states: int
+    """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1)."""
+    micro_batches_held: int
+    activations_per_micro_batch: int
+    """Per micro-batch in the configured recompute mode (StageActivations)."""
+    activations_working_set: int
+    activations: int
+    """held x per micro-batch + working set: the configured mode (model.recompute, recompute_num_layers)."""
+    activations_none: int
+    """The same without recompute ..."""
+    activations_selective: int
+    """... with selective recompute (the config's recompute_num_layers) ..."""
+    activations_full: int
+    """... and with full recompute: the three side by side."""
+    pipeline_buffers: int
+    reduce_buffer: int
+    framework_allowance: int
+    capacity: int
+    total: int = 0
+    """Peak: every part, with the larger of activations and the reduce buffer (they are never alive together)."""
+    margin: int = 0
+    """capacity - total; negative when it does not fit."""
+    fits: bool = True
+
+    def __post_init__(self) -> None:
+        static = (self.weights + self.gradients + self.gradient_accumulation + self.gradient_partition
+                  + self.master_weights + self.adam_states + self.pipeline_buffers + self.framework_allowance)
+        total = static + max(self.activations, self.reduce_buffer)
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "margin", self.capacity - total)
+        object.__setattr__(self, "fits", total <= self.capacity)
+
+
+def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, data_parallel_size: int,
+                 micro_batches: int, hardware: Hardware, assumptions: Assumptions) -> StageMemory:
+    model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    held = micro_batches_held(count.stage, pp, micro_batches)
+    by_mode = {mode: stage_activations(model, count, config.micro_batch_size, tp,
+                                       sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
+                                       attention_scores_stored=assumptions.attention_scores_stored)
+               for mode in ALL_MODES}
+    totals = {mode: held * act.per_micro_batch + act.working_set for mode, act in by_mode.items()}
+    act = by_mode[model.recompute]
+    hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size)
+    reduce_buffer = (layout.communication_bytes * n if layout.optimizer == "BF16_Optimizer"
+                     else layout.reduce_bucket_elements * layout.grad_bytes)
+    # the received activation and gradient: the sequence shard with SP, else the whole tensor
+    received = hidden_tensor / tp if config.parallelism.sequence_parallel else hidden_tensor
+    return StageMemory(
+        stage=count.stage, parameters=n, weights=layout.weight_bytes * n, gradients=layout.grad_bytes * n,
+        gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=layout.partition_grad_bytes * n // d,
+        master_weights=4 * n // d, adam_states=8 * n // d, micro_batches_held=held,
+        activations_per_micro_batch=act.per_micro_batch, activations_working_set=act.working_set,
+        activations=totals[model.recompute], activations_none=totals["none"],
+        activations_selective=totals["selective"], activations_full=totals["full"],
+        pipeline_buffers=int(2 * received) if pp > 1 else 0, reduce_buffer=reduce_buffer if d > 1 else 0,
+        framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB))
+

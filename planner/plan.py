@@ -1,0 +1,162 @@
+"""The plan for one cluster size: errors (impossible) and warnings, memory per stage, iteration and training time.
+
+``plan_cluster`` composes the other modules: the ramp checked against DP (planner.ramp), the memory of every stage
+(planner.memory), the iteration at the ramp's first and full batch (planner.timing) and the whole training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.config import set_option
+from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
+from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
+from planner.memory import ParameterCounts, StageMemory, stage_memory
+from planner.ramp import TrainingTime, ramp_sizes_not_dividing, suggest_ramp, training_time
+from planner.timing import IterationTime, iteration_time
+from training.config import RunConfig
+from training.schedules import BatchRamp
+
+
+@dataclass
+class Plan:
+    """Everything the planner says about one cluster size."""
+
+    nodes: int
+    gpus: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int | None
+    micro_batch_size: int
+    global_batch_size: int
+    micro_batches: int | None = None
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    ramp: dict[str, Any] | None = None
+    memory: list[StageMemory] = field(default_factory=list)
+    flops: dict[str, float] = field(default_factory=dict)
+    first_batch: IterationTime | None = None
+    full_batch: IterationTime | None = None
+    training: TrainingTime | None = None
+    measured: dict[str, float] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def peak_memory(self) -> StageMemory | None:
+        return max(self.memory, key=lambda m: m.total) if self.memory else None
+
+
+def _check_batches(config: RunConfig, plan: Plan) -> BatchRamp | None:
+    """Errors for a full batch that does not split; a warning and a working ramp for ramp sizes that do not."""
+    unit = config.micro_batch_size * plan.data_parallel_size
+    if config.global_batch_size % unit:
+        plan.errors.append(
+            f"the full batch train_batch_size={config.global_batch_size} is not divisible by micro-batch x DP = "
+            f"{config.micro_batch_size} x {plan.data_parallel_size} = {unit}: choose a batch that is a multiple of "
+            f"{unit} or another node count")
+        return None
+    ramp = config.batch_schedule()
+    bad = ramp_sizes_not_dividing(ramp, unit)
+    if not bad:
+        return ramp
+    better = suggest_ramp(ramp, unit)
+    shown = ", ".join(map(str, bad[:10]))
+    if len(bad) > 10:
+        shown += f", ... ({len(bad)} of {len(ramp.sizes())} sizes)"
+    plan.warnings.append(
+        f"ramp batch sizes not divisible by micro-batch x DP = {unit} (training.config.check_world would refuse "
+        f"them): {shown}. A ramp that works: {set_option('schedule.batch.start', better.start)} "
+        f"{set_option('schedule.batch.increment', better.increment)} ({better.start} -> {better.end} in steps of "
+        f"{better.increment}); the training time below assumes it")
+    return better
+
+
+def _check_memory(plan: Plan, hardware: Hardware) -> None:
+    worst = plan.peak_memory()
+    if worst is None or worst.fits:
+        return
+    parts = {"activations": worst.activations, "weights": worst.weights, "gradients": worst.gradients,
+             "fp32 gradient accumulation": worst.gradient_accumulation, "Adam states": worst.adam_states,
+             "master weights": worst.master_weights}
+    largest = max(parts, key=parts.get)
+    plan.errors.append(
+        f"memory exceeded: stage {worst.stage} needs {worst.total / GIB:.1f} GiB of the {hardware.name}'s "
+        f"{hardware.memory_gib:g} GiB (over by {-worst.margin / GIB:.1f} GiB); its largest part is {largest} "
+        f"({parts[largest] / GIB:.1f} GiB)")
+
+
+def _flops(config: RunConfig, first: int, full: int) -> dict[str, float]:
+    """Hardware FLOPs (the configured recompute counted) and model FLOPs (none) at the first and the full batch."""
+    model, tp = config.model, config.parallelism.tensor_parallel_size
+    pp = config.parallelism.pipeline_parallel_size
+    figures = {}
+    for name, batch in (("first_batch", first), ("full_batch", full)):
+        figures[name] = flops_per_iteration(model, batch, tp, pipeline_parallel_size=pp)
+        figures[f"{name}_model"] = model_flops_per_iteration(model, batch, tp)
+    return figures
+
+
+def measured_throughput(config: RunConfig, gpus: int, iteration_seconds: float, hardware: Hardware,
+                        predicted_seconds: float | None = None) -> dict[str, float]:
+    """A measured full-batch iteration: TFLOP/s per GPU and HFU (hardware FLOPs, the configured recompute counted)
+    and MFU (model FLOPs, no recompute), as the trainer logs them."""
+    if iteration_seconds <= 0:
+        raise ValueError(f"--iteration-seconds must be positive, got {iteration_seconds}")
+    tp, batch = config.parallelism.tensor_parallel_size, config.global_batch_size
+    pp = config.parallelism.pipeline_parallel_size
+    achieved = tflops_per_gpu(flops_per_iteration(config.model, batch, tp, pipeline_parallel_size=pp),
+                              iteration_seconds, gpus)
+    model = tflops_per_gpu(model_flops_per_iteration(config.model, batch, tp), iteration_seconds, gpus)
+    figures = {"iteration_seconds": iteration_seconds, "tflops_per_gpu": achieved, "model_tflops_per_gpu": model,
+               "hfu": achieved / hardware.peak_tflops, "mfu": model / hardware.peak_tflops}
+    if predicted_seconds:
+        figures["predicted_over_measured"] = predicted_seconds / iteration_seconds
+    return figures
+
+
+def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
+                 parameters: ParameterCounts, iteration_seconds: float | None = None) -> Plan:
+    """The plan for one node count: errors (impossible) and warnings, memory, time and the whole training."""
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    gpus = nodes * hardware.gpus_per_node
+    plan = Plan(nodes=nodes, gpus=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=None,
+                micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size)
+    try:
+        plan.data_parallel_size = config.parallelism.data_parallel_size(gpus)
+    except ValueError as error:
+        model_parallel = tp * pp
+        step = model_parallel // math.gcd(model_parallel, hardware.gpus_per_node)
+        plan.errors.append(f"data parallelism is not a whole number: {nodes} nodes x {hardware.gpus_per_node} GPUs = "
+                           f"{error}; use a multiple of {step} nodes")
+        return plan
+    if tp > hardware.gpus_per_node:
+        plan.warnings.append(f"tensor parallelism {tp} spans nodes of {hardware.gpus_per_node} GPUs: its all-reduces "
+                             f"are timed over InfiniBand")
+    ramp = _check_batches(config, plan)
+    if ramp is None:
+        return plan
+    layout, d = deepspeed_layout(config), plan.data_parallel_size
+    plan.micro_batches = config.global_batch_size // (config.micro_batch_size * d)
+    plan.ramp = {**dataclasses.asdict(ramp), "suggested": ramp != config.batch_schedule()}
+    plan.memory = [stage_memory(config, layout, c, d, plan.micro_batches, hardware, assumptions)
+                   for c in parameters.stages]
+    _check_memory(plan, hardware)
+    plan.flops = _flops(config, ramp.sizes()[0], ramp.end)
+    times: dict[int, IterationTime] = {}
+
+    def seconds(batch: int) -> float:
+        if batch not in times:
+            times[batch] = iteration_time(config, layout, parameters.stages, d, batch, hardware, assumptions)
+        return times[batch].seconds
+
+    plan.training = training_time(ramp, config.schedule.train_tokens, config.model.seq_length, seconds)
+    seconds(ramp.sizes()[0])
+    plan.first_batch, plan.full_batch = times[ramp.sizes()[0]], times[ramp.end]
+    if iteration_seconds is not None:
+        plan.measured = measured_throughput(config, gpus, iteration_seconds, hardware, plan.full_batch.seconds)
+    return plan

@@ -1,0 +1,331 @@
+"""What tools/plan.py prints: the tables, and the --json documents (their schema below).
+
+JSON (``tools/plan.py --json``): one object
+    schema_version: int (SCHEMA_VERSION; docs/planning.md lists what each version changed)
+    config: str (the run config's path); gpu: Hardware fields; assumptions: Assumptions fields;
+    deepspeed: DeepSpeedLayout fields; parameters: {stages: [{stage, layers, parameters_per_tp_rank,
+        analytic_per_tp_rank, parameters_per_stage}], total, analytic_total}
+    compute_optimal: {flops (C = 6 N D), run, chinchilla, twenty_tokens_per_parameter: each {parameters, tokens,
+        tokens_per_parameter}, law: {E, A, B, alpha, beta}}
+    plans: [one per node count: {nodes, gpus, tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+        (null if not whole), micro_batch_size, global_batch_size, micro_batches, errors: [str], warnings: [str],
+        ramp: {start, increment, end, ramp_tokens, suggested} | null,
+        memory: [per stage: StageMemory fields, bytes, plus total, margin, fits],
+        flops: {first_batch, full_batch (hardware FLOPs, the configured recompute counted), first_batch_model,
+            full_batch_model (model FLOPs, no recompute)},
+        first_batch, full_batch: IterationTime fields (seconds; micro_batch: MicroBatchTime of the slowest stage;
+            tflops_per_gpu and hfu from hardware FLOPs, mfu from model FLOPs),
+        training: TrainingTime fields, measured: {iteration_seconds, tflops_per_gpu, model_tflops_per_gpu, hfu, mfu,
+            predicted_over_measured} | null}]
+    --search --json: {schema_version, config, nodes, gpus, gpu, assumptions, ranked_by, layouts_tried, layouts_fitting, best,
+        layouts: [Layout fields + peak_memory_bytes, peak_memory_gib, iteration_seconds, tflops_per_gpu, hfu, mfu]}
+    Bytes are integers, times seconds, FLOPs floats. An impossible plan has errors and null figures where they
+    cannot be computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import textwrap
+from typing import Any
+
+from model.config import ModelConfig, set_option
+from model.summary import StageCount
+from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
+from planner.memory import ParameterCounts, StageMemory
+from planner.plan import Plan
+from planner.scaling import ComputeOptimal, compute_optimal
+from planner.search import Layout, LayoutResult
+from training.config import RunConfig
+
+SCHEMA_VERSION = 1
+"""Of both --json documents. A key renamed or removed, or a value whose meaning changes, bumps it and gets a line in
+docs/planning.md ("The --json schema"); a new key does not."""
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    return dataclasses.asdict(plan)
+
+
+def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptions, parameters: ParameterCounts,
+                   plans: list[Plan]) -> dict[str, Any]:
+    """The --json document (schema in the module docstring)."""
+    return {"schema_version": SCHEMA_VERSION, "config": config.source, "gpu": dataclasses.asdict(hardware),
+            "assumptions": dataclasses.asdict(assumptions),
+            "deepspeed": dataclasses.asdict(deepspeed_layout(config)),
+            "parameters": dataclasses.asdict(parameters),
+            "compute_optimal": dataclasses.asdict(compute_optimal(config, parameters)),
+            "plans": [plan_to_dict(p) for p in plans]}
+
+
+def layout_result_to_dict(result: LayoutResult) -> dict[str, Any]:
+    t = result.full_batch
+    return {**dataclasses.asdict(result.layout), "peak_memory_bytes": result.peak_memory_bytes,
+            "peak_memory_gib": result.peak_memory_bytes / GIB, "iteration_seconds": t.seconds,
+            "tflops_per_gpu": t.tflops_per_gpu, "hfu": t.hfu, "mfu": t.mfu}
+
+
+def search_to_dict(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions, tried: int,
+                   results: list[LayoutResult], top: int) -> dict[str, Any]:
+    """The --search --json document: the best ``top`` layouts that fit, fastest full-batch iteration first."""
+    return {"schema_version": SCHEMA_VERSION, "config": config.source, "nodes": nodes, "gpus": nodes * hardware.gpus_per_node,
+            "gpu": dataclasses.asdict(hardware), "assumptions": dataclasses.asdict(assumptions),
+            "ranked_by": "full-batch iteration seconds", "layouts_tried": tried, "layouts_fitting": len(results),
+            "best": layout_result_to_dict(results[0]) if results else None,
+            "layouts": [layout_result_to_dict(r) for r in results[:top]]}
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, width=118, initial_indent=indent, subsequent_indent=indent + "    ")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _stage_runs(stages: list[StageCount]) -> list[tuple[int, int, StageCount]]:
+    """Consecutive stages with identical layers and counts, as (first, last, count)."""
+    runs: list[tuple[int, int, StageCount]] = []
+    for c in stages:
+        if runs and runs[-1][2].layers == c.layers and runs[-1][2].parameters_per_tp_rank == c.parameters_per_tp_rank:
+            runs[-1] = (runs[-1][0], c.stage, runs[-1][2])
+        else:
+            runs.append((c.stage, c.stage, c))
+    return runs
+
+
+def _layer_names(names: list[str]) -> str:
+    """['TransformerLayer', 'TransformerLayer', 'FinalLayerNorm'] -> 'TransformerLayer x2, FinalLayerNorm'."""
+    groups = [(name, len(list(run))) for name, run in itertools.groupby(names)]
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
+
+
+FLOPS_CONVENTION = ("TFLOP/s per GPU and HFU count hardware FLOPs (the recomputed forwards included); MFU counts model "
+                    "FLOPs, 3 forwards' worth without recompute (PaLM's definition, what the trainer logs as mfu)")
+
+
+def recompute_label(model: ModelConfig) -> str:
+    """'full', 'selective, first 2 blocks of each stage', 'none'."""
+    if model.recompute == "none" or model.recompute_num_layers is None:
+        return model.recompute
+    return f"{model.recompute}, first {model.recompute_num_layers} blocks of each stage"
+
+
+def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumptions, parameters: ParameterCounts
+                  ) -> str:
+    model, layout = config.model, deepspeed_layout(config)
+    tp = config.parallelism.tensor_parallel_size
+    prose = [
+        f"{config.source}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
+        f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, recompute "
+        f"{recompute_label(model)}; TP {tp} x PP {config.parallelism.pipeline_parallel_size}, sequence parallelism "
+        f"{'on' if config.parallelism.sequence_parallel else 'off'}, micro-batch {config.micro_batch_size}",
+        f"DeepSpeed: {layout.optimizer} (ZeRO-1), DP gradient reduction in {8 * layout.communication_bytes}-bit, "
+        f"pipe_partitioned {layout.pipe_partitioned}",
+        f"GPU {hardware.name}: {hardware.peak_tflops:g} TFLOP/s, {hardware.memory_gib:g} GiB, HBM "
+        f"{hardware.hbm_gbytes_per_s:g} GB/s, NVLink {hardware.nvlink_gbytes_per_s:g} GB/s, InfiniBand "
+        f"{hardware.ib_gbits_per_s:g} Gb/s per GPU, {hardware.gpus_per_node} per node",
+        f"assumed: matmul efficiency {assumptions.matmul_efficiency:g}, link efficiency "
+        f"{assumptions.comm_efficiency:g}, HBM efficiency {assumptions.hbm_efficiency:g}, framework allowance "
+        f"{assumptions.framework_gib:g} GiB, attention scores {assumptions.attention_scores} "
+        f"({'Korthikanti et al.' if assumptions.attention_scores_stored else 'fused SDPA kernel'})",
+        FLOPS_CONVENTION,
+    ]
+    lines = [_wrap(line) for line in prose] + [
+        "",
+        f"{'parameters per TP rank':<24} {'layers':<54} {'meta device':>15} {'analytic':>15}",
+    ]
+    for first, last, c in _stage_runs(parameters.stages):
+        name = f"stage {first}" if first == last else f"stages {first}-{last}"
+        lines.append(f"  {name:<22} {_layer_names(c.layers):<54} {c.parameters_per_tp_rank:>15,} "
+                     f"{c.analytic_per_tp_rank:>15,}")
+    same = "equal" if parameters.total == parameters.analytic_total else "DIFFERENT"
+    lines.append(f"  total, tied embedding once: {parameters.total:,} from the modules, {parameters.analytic_total:,} "
+                 f"analytic ({same})")
+    return "\n".join(lines + ["", format_compute_optimal(compute_optimal(config, parameters))])
+
+
+def _count(number: float) -> str:
+    """529.6e9 -> '529.6B', 3.7106e12 -> '3.711T': counts of parameters and tokens as people say them."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if number >= scale:
+            return f"{number / scale:.4g}{suffix}"
+    return f"{number:,.0f}"
+
+
+def format_compute_optimal(optimal: ComputeOptimal) -> str:
+    law = optimal.law
+    rows = (("this run", optimal.run),
+            ("Hoffmann et al. 2022, approach-3 fit", optimal.chinchilla),
+            ("rule of thumb: 20 tokens per parameter", optimal.twenty_tokens_per_parameter))
+    lines = [f"tokens per parameter, and the compute-optimal size for the run's C = 6 N D = {optimal.flops:.3g} FLOPs",
+             f"  {'':<44} {'parameters N':>14} {'tokens D':>12} {'tokens per parameter':>22}"]
+    lines += [f"  {name:<44} {_count(row.parameters):>14} {_count(row.tokens):>12} {row.tokens_per_parameter:>22.3g}"
+              for name, row in rows]
+    lines += [f"  the fit: L(N, D) = {law.E:g} + {law.A:g} / N^{law.alpha:g} + {law.B:g} / D^{law.beta:g}, minimised "
+              f"along 6 N D = C", "  the rule: D = 20 N, so C = 120 N^2 and N = sqrt(C / 120)"]
+    return "\n".join(lines)
+
+
+def _memory_columns(plan: Plan) -> list[StageMemory]:
+    """First, a middle and the last stage (the others repeat the middle one), and the peak if it is none of them."""
+    stages = plan.memory
+    picked = [stages[0]] + ([stages[len(stages) // 2]] if len(stages) > 2 else []) + \
+        ([stages[-1]] if len(stages) > 1 else [])
+    worst = plan.peak_memory()
+    return picked if worst in picked else picked + [worst]
+
+
+MEMORY_ROWS = (
+    ("weights", "weights"), ("gradients (.grad)", "gradients"),
+    ("fp32 gradient accumulation", "gradient_accumulation"), ("fp32 gradient partition", "gradient_partition"),
+    ("fp32 master weights / DP", "master_weights"), ("Adam m + v (fp32) / DP", "adam_states"),
+    ("activations per micro-batch", "activations_per_micro_batch"),
+    ("activations working set (recompute, head)", "activations_working_set"),
+    ("activations, all held + working set", "activations"),
+    ("  ..., if recompute none", "activations_none"),
+    ("  ..., if recompute selective", "activations_selective"),
+    ("  ..., if recompute full", "activations_full"),
+    ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer (transient)", "reduce_buffer"),
+    ("framework allowance", "framework_allowance"), ("peak", "total"), ("margin", "margin"),
+)
+
+
+def format_memory(plan: Plan) -> str:
+    columns = _memory_columns(plan)
+    lines = [f"  {'memory per GPU, GiB':<48}" + "".join(f"{'stage ' + str(m.stage):>11}" for m in columns)]
+    lines.append(f"  {'micro-batches held (1F1B)':<48}" + "".join(f"{m.micro_batches_held:>11}" for m in columns))
+    for label, name in MEMORY_ROWS:
+        if not any(getattr(m, name) for m in columns):
+            continue  # a part this optimizer does not have
+        lines.append(f"  {label:<48}" + "".join(f"{_gib(getattr(m, name)):>11}" for m in columns))
+    worst = plan.peak_memory()
+    verdict = "fits" if worst.fits else "DOES NOT FIT"
+    lines.append(_wrap(f"verdict: {verdict}: the peak stage ({worst.stage}) uses {_gib(worst.total)} of "
+                       f"{_gib(worst.capacity)} GiB, margin {_gib(worst.margin)} GiB", "  "))
+    return "\n".join(lines)
+
+
+TIME_ROWS = ("compute", "tensor_parallel", "pipeline_p2p", "gradient_accumulation", "bubble",
+             "tied_embedding_reduce", "sequence_parallel_reduce", "data_parallel_reduce", "optimizer_step",
+             "zero_allgather")
+
+
+def format_time(plan: Plan) -> str:
+    columns = [plan.first_batch, plan.full_batch] if plan.first_batch.global_batch != plan.full_batch.global_batch \
+        else [plan.full_batch]
+    lines = [f"  {'iteration, seconds (share)':<30}" + "".join(f"{f'batch {t.global_batch}':>20}" for t in columns),
+             f"  {'micro-batches per pipeline':<30}" + "".join(f"{t.micro_batches:>20}" for t in columns),
+             f"  {'bubble (p - 1) / m':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
+    for name in TIME_ROWS:
+        lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
+            f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))
+    lines.append(f"  {'total':<30}" + "".join(f"{t.seconds:>20.3f}" for t in columns))
+    lines.append(f"  {'TFLOP/s per GPU (HFU)':<30}" + "".join(
+        f"{t.tflops_per_gpu:>11.1f} ({t.hfu:>5.1%})" for t in columns))
+    lines.append(f"  {'MFU (model FLOPs)':<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
+    slot = plan.full_batch.micro_batch
+    lines.append(f"  slowest stage {slot.stage}: {slot.total * 1e3:.1f} ms per micro-batch slot (compute "
+                 f"{slot.compute * 1e3:.1f}, TP {slot.tensor_parallel * 1e3:.1f}, p2p {slot.pipeline_p2p * 1e3:.1f}, "
+                 f"fp32 accumulation {slot.gradient_accumulation * 1e3:.1f})")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    d = plan.data_parallel_size
+    head = f"== {plan.nodes} nodes: {plan.gpus} GPUs = TP {plan.tensor_parallel_size} x PP " \
+           f"{plan.pipeline_parallel_size} x DP {d if d is not None else '?'} =="
+    lines = [head] + [_wrap(f"warning: {w}", "  ") for w in plan.warnings] + \
+        [_wrap(f"ERROR: {e}", "  ") for e in plan.errors]
+    if plan.memory:
+        lines.append(format_memory(plan))
+    if plan.full_batch is not None:
+        f = plan.flops
+        lines.append(_wrap(f"FLOPs per iteration (hardware, recompute counted / model): batch {plan.first_batch.global_batch}: {f['first_batch']:.4g} / "
+                           f"{f['first_batch_model']:.4g}; batch {plan.full_batch.global_batch}: "
+                           f"{f['full_batch']:.4g} / {f['full_batch_model']:.4g}", "  "))
+        lines.append(format_time(plan))
+        lines.append(format_training(plan))
+    if plan.measured:
+        lines.append(format_measured(plan.measured))
+    return "\n".join(lines)
+
+
+def format_training(plan: Plan) -> str:
+    t, r = plan.training, plan.ramp
+    extra = t.ramp_seconds - t.ramp_seconds_at_full_batch_rate
+    ramp = f"ramp {r['start']} -> {r['end']} by {r['increment']}" + (" (suggested)" if r["suggested"] else "")
+    return _wrap(f"training {t.tokens:.4g} tokens: {t.steps:,.0f} steps, {t.seconds / 86400:.2f} days; {ramp}: "
+                 f"{t.ramp_tokens:.3g} tokens in {t.ramp_steps:,.0f} steps, {t.ramp_seconds / 3600:.1f} h "
+                 f"({extra / 3600:.1f} h more than at the full batch's rate)", "  ")
+
+
+def format_measured(measured: dict[str, float]) -> str:
+    line = (f"measured {measured['iteration_seconds']:g} s per iteration: {measured['tflops_per_gpu']:.1f} TFLOP/s "
+            f"per GPU, HFU {measured['hfu']:.1%}; model FLOPs {measured['model_tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+            f"MFU {measured['mfu']:.1%}")
+    if "predicted_over_measured" in measured:
+        line += f"; predicted / measured time {measured['predicted_over_measured']:.3f}"
+    return _wrap(line, "  ")
+
+
+def format_comparison(plans: list[Plan]) -> str:
+    """One line per node count: the figures to compare cluster sizes by."""
+    lines = [f"{'nodes':>6} {'GPUs':>6} {'DP':>4} {'m':>5} {'bubble':>7} {'iter s':>8} {'TFLOP/s':>8} {'HFU':>6} "
+             f"{'MFU':>6} {'days':>6} {'ramp h':>7} {'peak GiB':>9} {'margin':>7}"]
+    for p in plans:
+        if not p.ok:
+            lines.append(_wrap(f"{p.nodes:>6} {p.gpus:>6}  impossible: {p.errors[0]}", ""))
+            continue
+        t, w = p.full_batch, p.peak_memory()
+        lines.append(f"{p.nodes:>6} {p.gpus:>6} {p.data_parallel_size:>4} {t.micro_batches:>5} "
+                     f"{t.bubble_fraction:>7.3f} {t.seconds:>8.2f} {t.tflops_per_gpu:>8.1f} {t.hfu:>6.1%} {t.mfu:>6.1%} "
+                     f"{p.training.seconds / 86400:>6.2f} {p.training.ramp_seconds / 3600:>7.1f} "
+                     f"{w.total / GIB:>9.2f} {w.margin / GIB:>7.2f}")
+    return "\n".join(lines)
+
+
+def _layout_row(rank: int | str, result: LayoutResult) -> str:
+    layout, t = result.layout, result.full_batch
+    layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
+    return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
+            f"{layout.data_parallel_size:>5} {layout.micro_batch_size:>6} {'on' if layout.sequence_parallel else 'off':>4} "
+            f"{layout.recompute:>10} {layers!s:>9} {result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
+            f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}")
+
+
+def describe_layout(result: LayoutResult) -> str:
+    layout = result.layout
+    blocks = "all" if layout.recompute_num_layers is None else str(layout.recompute_num_layers)
+    recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
+    return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}, "
+            f"micro-batch {layout.micro_batch_size}, sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
+            f"recompute {recompute}: {result.full_batch.seconds:.2f} s per iteration, "
+            f"{result.peak_memory_bytes / GIB:.2f} GiB peak, MFU {result.full_batch.mfu:.1%}")
+
+
+def layout_settings(layout: Layout) -> str:
+    """The --set options that give a run config this layout."""
+    settings = {"parallelism.tensor_parallel_size": layout.tensor_parallel_size,
+                "parallelism.pipeline_parallel_size": layout.pipeline_parallel_size,
+                "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+                "parallelism.sequence_parallel": layout.sequence_parallel, "model.recompute": layout.recompute}
+    if layout.recompute_num_layers is not None:
+        settings["model.recompute_num_layers"] = layout.recompute_num_layers
+    return " ".join(set_option(path, value) for path, value in settings.items())
+
+
+def format_search(config: RunConfig, nodes: int, hardware: Hardware, tried: int, results: list[LayoutResult],
+                  top: int) -> str:
+    gpus = nodes * hardware.gpus_per_node
+    lines = [_wrap(f"{config.source} at {nodes} nodes ({gpus} GPUs, {hardware.name}): {tried} layouts tried, "
+                   f"{len(results)} fit in {hardware.memory_gib:g} GiB; ranked by the predicted full-batch "
+                   f"(batch {config.global_batch_size}) iteration time. {FLOPS_CONVENTION}"), ""]
+    if not results:
+        return "\n".join(lines + ["no layout fits"])
+    lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5} {'micro':>6} {'SP':>4} {'recompute':>10} "
+                 f"{'n layers':>9} {'peak GiB':>9} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}")
+    lines += [_layout_row(rank, r) for rank, r in enumerate(results[:top], start=1)]
+    lines += ["", _wrap(f"best: {describe_layout(results[0])}. As settings: {layout_settings(results[0].layout)}")]
+    return "\n".join(lines)

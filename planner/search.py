@@ -1,0 +1,120 @@
+"""Search the layouts of one cluster size: every TP, PP, micro-batch, sequence parallelism and recompute choice.
+
+
+Search (``search_layouts``, tools/plan.py --search, one node count)
+    TP in 1 .. GPUs per node dividing the heads, key/value heads and FFN; PP dividing the layers with TP x PP
+    dividing the GPUs; micro-batch 1, 2, 4, 8 where micro-batch x DP divides the full batch; SP off, and on when
+    TP > 1 and TP divides the sequence; recompute "none", and "selective" and "full" on all blocks of each stage or
+    on n of them (every n when a stage has <= 8 blocks, else 7 spread). The layouts that fit are ranked by their
+    predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from model.summary import StageCount, count_stages
+from planner.hardware import Assumptions, Hardware, deepspeed_layout
+from planner.memory import stage_memory
+from planner.timing import IterationTime, iteration_time
+from training.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the config on a cluster: the parallel sizes, the micro-batch and what is recomputed."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    micro_batch_size: int
+    sequence_parallel: bool
+    recompute: str
+    recompute_num_layers: int | None
+    """Blocks of each stage that recompute; None: all of them (and with recompute "none")."""
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    layout: Layout
+    peak_memory_bytes: int
+    """The peak stage's total (StageMemory.total)."""
+    fits: bool
+    full_batch: IterationTime
+
+
+def layout_config(config: RunConfig, layout: Layout) -> RunConfig:
+    """The run config with the layout's sizes, micro-batch and recompute in place of its own."""
+    model = dataclasses.replace(config.model, recompute=layout.recompute,
+                                recompute_num_layers=layout.recompute_num_layers)
+    parallelism = dataclasses.replace(config.parallelism, tensor_parallel_size=layout.tensor_parallel_size,
+                                      pipeline_parallel_size=layout.pipeline_parallel_size,
+                                      sequence_parallel=layout.sequence_parallel)
+    deepspeed = {**config.deepspeed, "train_micro_batch_size_per_gpu": layout.micro_batch_size}
+    return dataclasses.replace(config, model=model, parallelism=parallelism, deepspeed=deepspeed)
+
+
+def recompute_layer_choices(blocks_per_stage: int) -> list[int | None]:
+    """recompute_num_layers to try: every count when a stage has at most 8 blocks, else 7 spread over them;
+    None (all blocks) first."""
+    if blocks_per_stage <= 8:
+        counts = range(1, blocks_per_stage)
+    else:
+        counts = sorted({max(1, round(blocks_per_stage * k / 8)) for k in range(1, 8)})
+    return [None, *counts]
+
+
+def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """TP dividing the heads, key/value heads and FFN, up to a node; PP dividing the layers with TP x PP dividing the
+    GPUs; micro-batches 1, 2, 4, 8 that split the full batch over DP; SP on or off (on: TP > 1 and a sequence that
+    divides); recompute none, selective and full, the latter two on some or all blocks of each stage."""
+    model, batch = config.model, config.global_batch_size
+    layouts = []
+    for tp in range(1, gpus_per_node + 1):
+        if model.num_attention_heads % tp or model.num_key_value_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        for pp in (p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0 and gpus % (tp * p) == 0):
+            dp = gpus // (tp * pp)
+            for micro_batch in (m for m in (1, 2, 4, 8) if batch % (m * dp) == 0):
+                for sequence_parallel in (False, True) if tp > 1 and model.seq_length % tp == 0 else (False,):
+                    modes = [("none", None)] + [(mode, n) for mode in ("selective", "full")
+                                                for n in recompute_layer_choices(model.num_layers // pp)]
+                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n) for mode, n in modes]
+    return layouts
+
+
+def _distinct_stages(counts: list[StageCount]) -> list[StageCount]:
+    """Stages 0, 1 and the last: the middle stages repeat stage 1 with fewer micro-batches held (the blocks divide
+    evenly), so these three carry the peak memory and the slowest slot."""
+    return [counts[i] for i in sorted({0, min(1, len(counts) - 1), len(counts) - 1})]
+
+
+def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
+                   counts: Callable[[int, int], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
+    """Every candidate layout at ``nodes``: (how many were tried, those that fit, fastest full-batch iteration
+    first). ``counts(tp, pp)`` gives the stages' parameter counts (default: count_stages, once per (tp, pp))."""
+    cache: dict[tuple[int, int], list[StageCount]] = {}
+
+    def stages(tp: int, pp: int) -> list[StageCount]:
+        if (tp, pp) not in cache:
+            full = counts(tp, pp) if counts else count_stages(config.model, tp, pp)
+            cache[(tp, pp)] = _distinct_stages(full)
+        return cache[(tp, pp)]
+
+    layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node)
+    results = []
+    for layout in layouts:
+        candidate = layout_config(config, layout)
+        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        ds_layout, d = deepspeed_layout(candidate), layout.data_parallel_size
+        m = config.global_batch_size // (layout.micro_batch_size * d)
+        peak = max((stage_memory(candidate, ds_layout, c, d, m, hardware, assumptions) for c in chosen),
+                   key=lambda memory: memory.total)
+        if not peak.fits:
+            continue
+        timed = iteration_time(candidate, ds_layout, chosen, d, config.global_batch_size, hardware, assumptions)
+        results.append(LayoutResult(layout, peak.total, peak.fits, timed))
+    results.sort(key=lambda r: (r.full_batch.seconds, r.peak_memory_bytes))
+    return len(layouts), results

@@ -1,0 +1,268 @@
+"""Time of one iteration: compute, tensor-parallel and pipeline communication, the bubble, and what follows it.
+
+Everything below is per GPU and per optimizer step unless named otherwise. t, p, d: tensor-, pipeline-, data-parallel
+sizes; s sequence length, b micro-batch, h hidden, a heads, V padded vocabulary; N_i the parameters of one TP rank of
+pipeline stage i (counted on the meta device by model/summary.py); m = global batch / (b d) micro-batches per pipeline.
+
+    pipeline buffers: the received activation and gradient, 2 x e s b h (x 1/t with SP).
+    DP reduce buffer: the transient bf16 copy of the gradients (BF16_Optimizer) or the ZeRO reduce bucket; it exists
+        after the last backward, when the activations are gone, so the peak takes the larger of the two.
+    framework allowance: CUDA context, NCCL's own buffers, allocator fragmentation (an assumption, see Assumptions).
+
+Time of one iteration at global batch B
+    A micro-batch slot of stage i (forward + backward, recompute included):
+        compute      = FLOPs_i / (peak x matmul_efficiency); FLOPs_i = b s (3 layers_i F_layer + r_i F_recompute +
+                       6 h V [last stage]) / t, F_layer = model.flops.layer_forward_flops_per_token (24 h^2 +
+                       4 s h for GPT: Narayanan et al. 2021 eq. 3 per layer), r_i the stage's recomputing blocks
+                       and F_recompute = F_layer ("full": one more forward), 4 s h ("selective": the attention
+                       core's forward), 0 ("none"). Summed over stages, micro-batches and DP this is exactly
+                       model.flops.flops_per_iteration (hardware FLOPs).
+        tensor_parallel = 4 all-reduces of e s b h per block (2 forward, 2 backward), + 2 per fully recomputed
+                       block (its forward's, rerun in the backward; selective reruns none), +1 for the vocab-
+                       parallel embedding on the first stage, +1 for the head's input gradient on the last; a ring
+                       over t ranks. With SP each all-reduce becomes an all-gather and a reduce-scatter (the same
+                       ring volume), and each column-parallel layer, which keeps its input's sequence shard, all-
+                       gathers it again in the backward for its weight gradient: + half an all-reduce's volume for
+                       each of the 2 per block and for the head.
+        pipeline_p2p = 4 blocking transfers of e s b h / t (receive/send activation, receive/send gradient; 2 on the
+                       first and last stage) and, with pipe_partitioned and no SP, an all-gather over TP to rebuild
+                       each received tensor; with SP the shard is the tensor, nothing to rebuild.
+        gradient_accumulation (BF16_Optimizer) = 12 N_i bytes of HBM traffic (zero the bf16 grads, read them, read
+                       and write the fp32 buffer).
+    The 1F1B pipeline runs (m + p - 1) slots of the slowest stage: m slots of work and p - 1 of bubble, a bubble
+    fraction of (p - 1) / m. Then, not overlapped, on stage 0 (which ends last and holds most parameters):
+    the tied-embedding all-reduce (4 V h / t bytes, 2 ranks), with SP the TP all-reduce of the replicated
+    parameters' partial gradients (norms, row-parallel biases, the position table; fp32 under BF16_Optimizer), the
+    DP gradient reduction, the optimizer step
+    (HBM: Adam reads and writes master, m, v and reads the gradient, 28 N_i / d, writes the weights, weight_bytes N_i
+    / d, and BF16_Optimizer casts the buffer for the reduce and back and zeroes it, 16 N_i), and the ZeRO-1
+    all-gather. Ring volumes: all-reduce 2 (n - 1) / n x bytes, all-gather and reduce-scatter (n - 1) / n x bytes,
+    at the per-direction bandwidth of one GPU's link times comm_efficiency. Which link: DeepSpeed's topology puts TP
+    ranks next to each other, DP ranks TP apart and pipeline stages TP x DP apart, so TP uses NVLink when t <= GPUs
+    per node, DP when t d <= GPUs per node, p2p when the whole pipeline fits in a node; otherwise InfiniBand, one
+    HCA per GPU (for the 530B layout: TP on NVLink, DP and p2p on InfiniBand).
+    TFLOP/s per GPU = hardware FLOPs (model.flops.flops_per_iteration, the configured recompute counted, as the
+    MT-NLG paper counts) / (seconds x GPUs), "hfu" that over the peak; "mfu" = model FLOPs (model.flops
+    .model_flops_per_iteration: 3 forwards' worth, no recompute, PaLM's definition) / (seconds x GPUs x peak). The
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+from model.flops import (
+    flops_per_iteration,
+    layer_forward_flops_per_token,
+    model_flops_per_iteration,
+    recompute_flops_per_token,
+    tflops_per_gpu,
+)
+from model.summary import StageCount
+from planner.hardware import Assumptions, DeepSpeedLayout, Hardware
+from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
+from training.config import RunConfig
+
+
+def ring_all_reduce_seconds(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-reduce: each rank sends and receives 2 (n - 1) / n of the buffer."""
+    return 0.0 if ranks <= 1 else 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def ring_all_gather_seconds(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a buffer of nbytes in all: (n - 1) / n of it per rank."""
+    return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Sustained rates of one GPU: peaks and link speeds (per direction) times the assumed efficiencies."""
+
+    flops_per_s: float
+    tensor_parallel_bytes_per_s: float
+    """NVLink; InfiniBand if TP spans nodes."""
+    pipeline_bytes_per_s: float
+    """InfiniBand; NVLink if the whole pipeline fits in a node (else the slowest boundary paces it)."""
+    data_parallel_bytes_per_s: float
+    """InfiniBand; NVLink if a DP group fits in a node (TP x DP <= GPUs per node: DP ranks are TP apart)."""
+    hbm_bytes_per_s: float
+
+
+def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_parallel_size: int,
+                    pipeline_parallel_size: int, data_parallel_size: int) -> Rates:
+    nvlink = hardware.nvlink_gbytes_per_s / 2 * 1e9 * assumptions.comm_efficiency
+    infiniband = hardware.ib_gbits_per_s / 8 * 1e9 * assumptions.comm_efficiency
+    node = hardware.gpus_per_node
+    tp, dp = tensor_parallel_size, data_parallel_size
+
+    def link(ranks_spanned: int) -> float:
+        return nvlink if ranks_spanned <= node else infiniband
+
+    return Rates(flops_per_s=hardware.peak_tflops * 1e12 * assumptions.matmul_efficiency,
+                 tensor_parallel_bytes_per_s=link(tp), pipeline_bytes_per_s=link(tp * dp * pipeline_parallel_size),
+                 data_parallel_bytes_per_s=link(tp * dp),
+                 hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency)
+
+
+def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
+                                recompute: str | None = None) -> float:
+    """Hardware FLOPs of one micro-batch's forward and backward on one GPU of the stage, the forwards that
+    ``recompute`` (default: the config's mode) reruns included (module docstring)."""
+    recompute = model.recompute if recompute is None else recompute
+    s, h, t = model.seq_length, model.hidden_size, tensor_parallel_size
+    layers = 3.0 * layer_forward_flops_per_token(model) * transformer_layers(count)
+    layers += recompute_flops_per_token(model, recompute) * recomputing_blocks(model, count, recompute)
+    logits = 6.0 * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
+    return micro_batch * s * (layers + logits) / t
+
+
+@dataclass(frozen=True)
+class MicroBatchTime:
+    """One micro-batch slot (forward + backward) of one stage, seconds."""
+
+    stage: int
+    compute: float
+    tensor_parallel: float
+    pipeline_p2p: float
+    gradient_accumulation: float
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total",
+                           self.compute + self.tensor_parallel + self.pipeline_p2p + self.gradient_accumulation)
+
+
+def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> float:
+    """All-reduces of one (b, s, h) tensor over TP per micro-batch on this stage; with sequence parallelism the same
+    ring volume in all-gathers and reduce-scatters, one of each per all-reduce (module docstring)."""
+    blocks = transformer_layers(count)
+    rerun = recomputing_blocks(model, count, "full") if model.recompute == "full" else 0
+    # each column-parallel layer keeps its input's sequence shard: its backward all-gathers it again (half an
+    # all-reduce's volume; 2 per block, 1 for the head)
+    regather = (blocks + 0.5 * holds_head(count)) if sequence_parallel else 0.0
+    return 4.0 * blocks + 2.0 * rerun + regather + (count.stage == 0) + holds_head(count)
+
+
+def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, rates: Rates) -> MicroBatchTime:
+    model, b = config.model, config.micro_batch_size
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    sequence_parallel = config.parallelism.sequence_parallel and tp > 1
+    hidden_tensor = hidden_tensor_bytes(model, b)
+    all_reduces = tensor_parallel_all_reduces(model, count, sequence_parallel)
+    transfers = 0 if pp == 1 else 2 * ((count.stage > 0) + (count.stage < pp - 1))
+    # with SP each rank sends its own sequence shard (pipe_partitioned is off); else 1/t and a TP all-gather when
+    # DeepSpeed partitions the transfer, the whole tensor when it does not
+    piece = hidden_tensor / tp if sequence_parallel or layout.pipe_partitioned else hidden_tensor
+    rebuild = ring_all_gather_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s) \
+        if layout.pipe_partitioned and not sequence_parallel else 0.0
+    accumulation_bytes = 12 * count.parameters_per_tp_rank if layout.optimizer == "BF16_Optimizer" else 0
+    return MicroBatchTime(
+        stage=count.stage,
+        compute=stage_flops_per_micro_batch(model, count, b, tp) / rates.flops_per_s,
+        tensor_parallel=all_reduces * ring_all_reduce_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s),
+        pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
+        gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class IterationTime:
+    """One optimizer step at one global batch, seconds by where they go, and the throughput that follows."""
+
+    global_batch: int
+    micro_batches: int
+    """m, per pipeline."""
+    bubble_fraction: float
+    """(p - 1) / m."""
+    micro_batch: MicroBatchTime
+    """The slowest stage's slot, which paces the pipeline."""
+    compute: float
+    tensor_parallel: float
+    pipeline_p2p: float
+    gradient_accumulation: float
+    bubble: float
+    tied_embedding_reduce: float
+    data_parallel_reduce: float
+    optimizer_step: float
+    zero_allgather: float
+    sequence_parallel_reduce: float
+    seconds: float
+    flops: float
+    """Hardware FLOPs: model.flops.flops_per_iteration (the configured recompute counted)."""
+    model_flops: float
+    """Model FLOPs: model.flops.model_flops_per_iteration (3 forwards' worth, no recompute)."""
+    tflops_per_gpu: float
+    """Hardware FLOPs per second per GPU (what the trainer logs as tflops_per_gpu)."""
+    hfu: float
+    """tflops_per_gpu / peak: hardware FLOPs utilisation."""
+    mfu: float
+    """Model FLOPs per second per GPU / peak: PaLM's MFU, no recompute counted (the trainer's "mfu")."""
+
+
+@dataclass(frozen=True)
+class AfterPipeline:
+    """The non-overlapped work after the last backward, on stage 0 (ends last, holds the most parameters)."""
+
+    tied_embedding_reduce: float
+    data_parallel_reduce: float
+    optimizer_step: float
+    zero_allgather: float
+    sequence_parallel_reduce: float
+    """With SP: the TP all-reduce of the replicated parameters' partial gradients (norms, row-parallel biases, the
+    position table), once per step, before the DP reduction (DeepSpeed sums them as it sums tied weights)."""
+
+
+def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
+    """Parameters of a stage that every TP rank holds whole and, with SP, gets a partial gradient of."""
+    norm = 2 * model.hidden_size if model.norm == "layernorm" else model.hidden_size
+    biases = 2 * model.hidden_size if model.other_linears_have_bias else 0
+    positions = model.max_position_embeddings * model.hidden_size if "PositionEmbedding" in count.layers else 0
+    return transformer_layers(count) * (2 * norm + biases) + positions + norm * holds_head(count)
+
+
+def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: StageCount, data_parallel_size: int,
+                        rates: Rates) -> AfterPipeline:
+    model, n, d = config.model, first.parameters_per_tp_rank, data_parallel_size
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    tied_grad_bytes = (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes) \
+        * model.padded_vocab_size(tp) // tp * model.hidden_size
+    gradients = layout.communication_bytes * n
+    if layout.optimizer == "BF16_Optimizer":
+        reduce = ring_all_reduce_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+        full_buffer_passes = 16 * n  # cast to bf16 and back for the all-reduce (12), zero the buffer (4)
+    else:
+        reduce = ring_all_gather_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+        full_buffer_passes = layout.grad_bytes * n  # zero the .grad
+    adam = (28 + layout.weight_bytes) * n / d
+    return AfterPipeline(
+        tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, 2 if pp > 1 and model.tie_word_embeddings else 1,
+                                                      rates.pipeline_bytes_per_s),
+        data_parallel_reduce=reduce,
+        optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
+        zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s),
+        sequence_parallel_reduce=ring_all_reduce_seconds(
+            (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes) * sequence_parallel_parameters(model, first),
+            tp if config.parallelism.sequence_parallel else 1, rates.tensor_parallel_bytes_per_s))
+
+
+def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[StageCount], data_parallel_size: int,
+                   global_batch: int, hardware: Hardware, assumptions: Assumptions) -> IterationTime:
+    """1F1B: (m + p - 1) slots of the slowest stage, then the DP reduction, the step and the all-gather."""
+    tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    m = global_batch // (config.micro_batch_size * data_parallel_size)
+    rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size)
+    slowest = max((micro_batch_time(config, layout, c, rates) for c in counts), key=lambda t: t.total)
+    after = after_pipeline_time(config, layout, counts[0], data_parallel_size, rates)
+    parts = dict(compute=m * slowest.compute, tensor_parallel=m * slowest.tensor_parallel,
+                 pipeline_p2p=m * slowest.pipeline_p2p, gradient_accumulation=m * slowest.gradient_accumulation,
+                 bubble=(pp - 1) * slowest.total, **dataclasses.asdict(after))
+    seconds = sum(parts.values())
+    flops = flops_per_iteration(config.model, global_batch, tp, pipeline_parallel_size=pp)
+    model_flops = model_flops_per_iteration(config.model, global_batch, tp)
+    gpus = tp * pp * data_parallel_size
+    achieved = tflops_per_gpu(flops, seconds, gpus)
+    return IterationTime(global_batch=global_batch, micro_batches=m, bubble_fraction=(pp - 1) / m,
+                         micro_batch=slowest, **parts, seconds=seconds, flops=flops, model_flops=model_flops,
+                         tflops_per_gpu=achieved, hfu=achieved / hardware.peak_tflops,
+                         mfu=tflops_per_gpu(model_flops, seconds, gpus) / hardware.peak_tflops)
+
