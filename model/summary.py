@@ -9,6 +9,8 @@ real run, with the tensor shapes of one tensor-parallel rank, on ``torch.device(
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +137,25 @@ def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_para
     return total
 
 
+def tokenizer_vocabulary_total(config: ModelConfig) -> int:
+    """The model's parameters with the tokenizer's vocabulary, unpadded: what transformers reports for the same model
+    (Llama-3-8B: 8,030,261,248, where the padded embedding and head of TP 8 hold 8,032,358,400)."""
+    return analytic_total_parameters(dataclasses.replace(config, make_vocab_size_divisible_by=1), 1)
+
+
+def block_matrices_line(config: ModelConfig) -> str:
+    """The blocks' matrix weights in closed form: 12 l h^2 for the GPT shape (multi-head, GeLU MLP of 4h), else the
+    Llama form l (2 h^2 + 2 h g d + 3 h f) (query and output h^2 each, key and value h g d each, SwiGLU 3 h f)."""
+    h, layers, f = config.hidden_size, config.num_layers, config.ffn_hidden_size
+    gpt_shape = config.mlp == "gelu" and f == 4 * h and config.num_key_value_heads == config.num_attention_heads
+    if gpt_shape:
+        return f"transformer blocks' matrices 12 l h^2 = {12 * layers * h * h:,}"
+    kv = config.num_key_value_heads * config.head_dim
+    mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+    form = "l (2 h^2 + 2 h g d + 3 h f)" if config.mlp == "swiglu" else "l (2 h^2 + 2 h g d + 2 h f)"
+    return f"transformer blocks' matrices {form} = {layers * (2 * h * h + 2 * h * kv + mlp):,}"
+
+
 def format_summary(config: ModelConfig, counts: list[StageCount], tensor_parallel_size: int) -> str:
     lines = [f"{'stage':>5}  {'layers':<46} {'params / TP rank':>18} {'analytic':>18}  match"]
     for c in counts:
@@ -143,13 +164,15 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
         lines.append(f"{c.stage:>5}  {layers:<46} {c.parameters_per_tp_rank:>18,} {c.analytic_per_tp_rank:>18,}  {ok}")
     total = total_from_stages(counts, config, tensor_parallel_size)
     analytic = analytic_total_parameters(config, tensor_parallel_size)
-    h, layers = config.hidden_size, config.num_layers
+    padded = config.padded_vocab_size(tensor_parallel_size)
+    embedding = "tied embedding once" if config.tie_word_embeddings else "untied head"
     lines += [
         "",
-        f"total (one replica, {'tied embedding once' if config.tie_word_embeddings else 'untied head'}): {total:,} from the modules, {analytic:,} analytic "
-        f"({'equal' if total == analytic else 'DIFFERENT'})",
-        f"transformer blocks 12 l h^2 = {12 * layers * h * h:,}; padded vocabulary "
-        f"{config.padded_vocab_size(tensor_parallel_size):,} (from {config.vocab_size:,})",
+        f"total with the tokenizer's vocabulary ({config.vocab_size:,}; what transformers reports): "
+        f"{tokenizer_vocabulary_total(config):,}",
+        f"total as built here, vocabulary padded to {padded:,} for TP {tensor_parallel_size} (one replica, "
+        f"{embedding}): {total:,} from the modules, {analytic:,} analytic ({'equal' if total == analytic else 'DIFFERENT'})",
+        block_matrices_line(config),
         f"largest rank: {max(c.parameters_per_tp_rank for c in counts):,} parameters",
     ]
     return "\n".join(lines)
@@ -166,18 +189,27 @@ def _compress(names: list[str]) -> str:
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="530b", help="model shape (default 530b)")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-    parser.add_argument("--pp", type=int, default=35, help="pipeline-parallel size (default 35)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size (default 8, the recipe's, where it divides the "
+                        "heads; else 1)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size (default 35, the recipe's, where it divides the "
+                        "layers; else 1)")
     args = parser.parse_args(argv)
     config = preset(args.preset)
-    counts = count_stages(config, args.tp, args.pp)
+    tp = args.tp or (8 if config.num_key_value_heads % 8 == 0 and config.ffn_hidden_size % 8 == 0 else 1)
+    pp = args.pp or (35 if config.num_layers % 35 == 0 else 1)
+    try:
+        counts = count_stages(config, tp, pp)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"{args.preset}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
-          f"TP {args.tp} x PP {args.pp} (built on the meta device)\n")
-    print(format_summary(config, counts, args.tp))
+          f"TP {tp} x PP {pp} (built on the meta device)\n")
+    print(format_summary(config, counts, tp))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

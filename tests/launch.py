@@ -38,32 +38,34 @@ TWO_PROCESSES = ["parallelism.tensor_parallel_size=1", "parallelism.pipeline_par
 
 
 def run_overrides(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                  processes: int = 4) -> list[str]:
-    """The --set items of a test run: the overrides above, its data, checkpoint directory and length."""
-    return [*OVERRIDES, f"training.save={save}", f"training.max_steps={max_steps}",
+                  processes: int = 4, base: list[str] = OVERRIDES) -> list[str]:
+    """The --set items of a test run: the overrides above (or ``base``), its data, checkpoint directory and length."""
+    return [*base, f"training.save={save}", f"training.max_steps={max_steps}",
             f"data.blend=[[1.0, \"{data_prefix}\"]]", f"data.cache_dir=\"{save.parent / 'index-cache'}\"",
             *(TWO_PROCESSES if processes == 2 else []), *extra]
 
 
 def train_arguments(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                    processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json") -> list[str]:
+                    processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json",
+                    base: list[str] = OVERRIDES) -> list[str]:
     """train.py and its arguments."""
     arguments = ["train.py", "--ds_config", ds_config]
-    for item in run_overrides(data_prefix, save, max_steps, extra, processes):
+    for item in run_overrides(data_prefix, save, max_steps, extra, processes, base):
         arguments += ["--set", item]
     return arguments
 
 
 def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
-                  processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json") -> list[str]:
+                  processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json",
+                  base: list[str] = OVERRIDES) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes), "--master_port",
-            str(free_port()), *train_arguments(data_prefix, save, max_steps, extra, processes, ds_config)]
+            str(free_port()), *train_arguments(data_prefix, save, max_steps, extra, processes, ds_config, base)]
 
 
 def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
                  faults: dict | None = None, expect_success: bool = True, processes: int = 4,
-                 ds_config: str = "ds_configs/tiny-cpu.json") -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config), cwd=ROOT,
+                 ds_config: str = "ds_configs/tiny-cpu.json", base: list[str] = OVERRIDES) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config, base), cwd=ROOT,
                             env=launcher_env(faults),
                             capture_output=True, text=True, timeout=600)
     if expect_success:

@@ -15,7 +15,7 @@ from model.config import ModelConfig, preset
 from model.summary import analytic_total_parameters, count_stages, total_from_stages
 
 # The published totals, for the two best-known shapes (LLaMA-2-7B "6.74B", Llama-3-8B "8.03B").
-PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248}
+PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
 
 
 def hf_config(name: str, config: ModelConfig):
@@ -48,6 +48,23 @@ def test_preset_has_the_parameters_of_transformers(name):
     assert ours == hf_parameter_count(name, config), name
     if name in PUBLISHED:
         assert ours == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name, tp, pp", [("llama3-8b", 4, 2), ("llama3-70b", 8, 8), ("llama2-7b", 2, 2),
+                                          ("mistral-7b", 4, 1), ("qwen2.5-7b", 2, 7)])
+def test_summary_prints_the_count_transformers_reports(capsys, name, tp, pp):
+    """python -m model.summary at a TP x PP that pads the vocabulary prints the unpadded total beside the padded one
+    (Llama-3-8B at TP 4: 128,256 rows padded to 128,512, so 8,032,358,400 built, 8,030,261,248 published)."""
+    from model.summary import main
+
+    assert main(["--preset", name, "--tp", str(tp), "--pp", str(pp)]) == 0
+    out = capsys.readouterr().out
+    expected = hf_parameter_count(name, preset(name, make_vocab_size_divisible_by=1))
+    vocab = preset(name).vocab_size
+    assert f"total with the tokenizer's vocabulary ({vocab:,}; what transformers reports): {expected:,}\n" in out
+    assert "12 l h^2" not in out and "l (2 h^2 + 2 h g d + 3 h f)" in out  # the Llama form of the block count
+    if name == "llama3-8b":
+        assert "vocabulary padded to 128,512 for TP 4" in out and ": 8,032,358,400 from the modules" in out
 
 
 def test_llama3_8b_preset_is_the_published_shape():
@@ -99,8 +116,8 @@ def test_planner_plans_llama3_70b_on_64_h100_nodes():
     import sys
     from pathlib import Path
 
+    from model.flops import flops_per_iteration
     from training.config import load_run_config
-    from training.metrics import flops_per_iteration
 
     sets = ['model.preset="llama3-70b"', "parallelism.tensor_parallel_size=8", "parallelism.pipeline_parallel_size=8",
             "train_micro_batch_size_per_gpu=1", "train_batch_size=1024", "schedule.batch={}",

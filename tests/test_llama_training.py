@@ -1,7 +1,7 @@
 """A Llama-shaped model trains through train.py and the deepspeed launcher like the GPT: ds_configs/llama-tiny-cpu.json
 (RoPE, RMSNorm, SwiGLU, 8 query heads in 2 KV groups, untied head) at TP 2 x PP 2 on 4 CPU processes, the loss
 falls, a stop at step 4 resumed to step 8 is bitwise the uninterrupted run, a resume at another layout continues it
-(to 1e-5: fp32, another summation order), and a run can start from an imported Hugging Face Llama."""
+(to 1e-5: fp32, another summation order), and a run can start from a Hugging Face Llama imported in one command."""
 
 from __future__ import annotations
 
@@ -63,32 +63,33 @@ def test_llama_tiny_resumes_at_another_layout(corpus, straight, tmp_path):
 
 
 @pytest.mark.distributed
-def test_llama_tiny_trains_from_an_imported_hugging_face_model(corpus, tmp_path):
-    """training.init_from a random LlamaForCausalLM of llama-tiny's shape (2 layers, as the test runs use),
-    imported at TP 2 x PP 2 by tools/convert_from_hf.py: the engine starts from exactly its weights (the HF logits of
-    such an import are tests/test_hf_llama.py's)."""
+def test_train_starts_from_a_one_command_import(corpus, tmp_path):
+    """The README's two commands: tools/convert_from_hf.py with model.from_hf imports a random LlamaForCausalLM of
+    another shape than llama-tiny (6 layers, h 192, 6 heads over 3 KV groups, SwiGLU 480, llama3 RoPE) at TP 3 x PP 2;
+    train.py, with the same model.from_hf and training.init_from, starts on 6 processes from exactly its shards."""
     import subprocess
     import sys
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.launch import OVERRIDES, ROOT
+    from tests.test_hf_one_command import END_OF_TEXT_ID, LAYOUT, random_llama
 
-    from tests.launch import ROOT
-
-    torch.manual_seed(0)
-    hf_config = LlamaConfig(vocab_size=50257, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                            architectures=["LlamaForCausalLM"])
-    LlamaForCausalLM(hf_config).save_pretrained(str(tmp_path / "hf"))
+    hf_dir = random_llama(tmp_path / "hf")
     imported = tmp_path / "imported"
-    subprocess.run([sys.executable, "tools/convert_from_hf.py", "--model", str(tmp_path / "hf"), "--ds_config", CONFIG,
-                    "--set", "model.num_layers=2", "--output", str(imported)], cwd=ROOT, check=True,
+    same = [f"model.from_hf={hf_dir}", *LAYOUT]
+    subprocess.run([sys.executable, "tools/convert_from_hf.py", "--ds_config", CONFIG, "--set", same[0], "--set",
+                    same[1], "--set", same[2], "--output", str(imported), "--no-progress"], cwd=ROOT, check=True,
                    capture_output=True, text=True)
     save = tmp_path / "run" / "checkpoints"
-    # max_steps 0: load, then checkpoint at step 0, so the weights the engine started from can be read back
-    result = run_training(corpus, save, max_steps=0, extra=[*EXTRA, f"training.init_from={imported}"],
-                          ds_config=CONFIG)
-    assert f"initialised the weights from {imported}" in result.stdout + result.stderr
+    # max_steps 0: load, then checkpoint at step 0, so the weights the engine started from can be read back;
+    # the test runs' model.num_layers=2 is not given: the model is the HF one
+    base = [item for item in OVERRIDES if not item.startswith("model.num_layers=")]
+    result = run_training(corpus, save, max_steps=0, extra=[*EXTRA, *same, f"training.init_from={imported}"],
+                          ds_config=CONFIG, processes=6, base=base)
+    output = result.stdout + result.stderr
+    assert f"initialised the weights from {imported}" in output and "TP 2/3 PP 1/2 DP 0/1" in output
     started_from = final_weights(save)
     assert started_from.keys() == {path.name for path in (imported / (imported / "latest").read_text()).glob("layer_*")}
+    assert len(started_from) == (6 + 4) * 3  # embedding, positions, 6 blocks, final norm, head; 3 TP ranks each
     assert same_weights(started_from, final_weights(imported))  # exactly the imported shards, every TP rank's
+    saved = torch.load(save / "global_step0" / "mp_rank_00_model_states.pt", weights_only=False)["run_config"]
+    assert saved["data"]["eod_token_id"] == END_OF_TEXT_ID  # from the tokenizer the import carried

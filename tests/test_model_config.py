@@ -144,6 +144,8 @@ def test_summary_command_prints_counts():
     out = subprocess.run([sys.executable, "-m", "model.summary", "--preset", "530b", "--tp", "8", "--pp", "35"],
                          capture_output=True, text=True, check=True).stdout
     assert "529,600,819,200 from the modules, 529,600,819,200 analytic (equal)" in out
+    assert "total with the tokenizer's vocabulary (50,257; what transformers reports): 529,581,506,560" in out
+    assert "transformer blocks' matrices 12 l h^2 = 528,482,304,000" in out  # the GPT shape's closed form
     assert out.count(" yes") == 35
 
 

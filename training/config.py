@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from training.noise_scale import NoiseScaleBatchSchedule
 
 PROJECT_BLOCKS = ("model", "parallelism", "schedule", "data", "training")
+GPT2_END_OF_TEXT = 50256
 BATCH_SCHEDULE_KEYS = {"ramp": {"start", "increment", "ramp_tokens"},
                        "noise_scale": {"start", "factor", "interval_steps"}}
 # DeepSpeed keys this project sets itself, or that would fight its schedules.
@@ -95,8 +96,10 @@ class DataConfig:
     """How long the other processes of a node wait for its first process to build the index arrays."""
     eod_mask_loss: bool = False
     """Do not train on predicting the end-of-document token."""
-    eod_token_id: int = 50256
-    """The tokenizer's end-of-document id (GPT-2's <|endoftext|> by default); used by eod_mask_loss."""
+    eod_token_id: int | None = None
+    """The tokenizer's end-of-document id, used by eod_mask_loss. Default: the end-of-text token of the Hugging Face
+    tokenizer the run starts from (carried by training.init_from's checkpoint, else in model.from_hf's directory),
+    else GPT-2's <|endoftext|>, 50256."""
 
     def __post_init__(self) -> None:
         from data.gpt_dataset import parse_split
@@ -203,6 +206,12 @@ class RunConfig:
     deepspeed: dict[str, Any]
     """DeepSpeed's own keys, exactly as passed to deepspeed.initialize."""
     source: str = "<dict>"
+    from_hf: str | None = None
+    """model.from_hf: the Hugging Face model directory whose config.json gave the model's shape, if one did."""
+    model_origin: str = "the model block"
+    """Where the model's shape came from (the config file, a preset, model.from_hf's config.json): errors say it."""
+    eod_origin: str = "data.eod_token_id"
+    """Where data.eod_token_id came from."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -237,6 +246,14 @@ class RunConfig:
                                        micro_batch_size=self.micro_batch_size, data_parallel_size=data_parallel_size,
                                        factor=float(b.get("factor", 1.0)),
                                        interval_steps=int(b.get("interval_steps", 1)))
+
+    def check_layout(self) -> None:
+        """The model against its TP x PP split (and SP): a ValueError names the model's numbers and their origin."""
+        try:
+            self.model.check_parallel(self.parallelism.tensor_parallel_size,
+                                      self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel)
+        except ValueError as error:
+            raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
 
     def check_world(self, world_size: int) -> int:
         """Validate against the launched world; return the data-parallel size."""
@@ -330,19 +347,50 @@ def _build(cls, block: str, values: dict[str, Any]):
     return cls(**values)
 
 
-def _model_config(values: dict[str, Any]) -> ModelConfig:
+def _model_config(values: dict[str, Any], source: str) -> tuple[ModelConfig, str]:
+    """The model block -> (ModelConfig, where its shape came from, for error messages).
+
+    ``from_hf: DIR`` fills the block from a Hugging Face config.json (hf/config_map.py: the architecture, every shape
+    field, RoPE and its scaling, the norm and its epsilon, tying, biases); a preset beside it gives the rest (the
+    sequence length, precision, dropout, recompute), and a field set explicitly beside it must agree with the HF one.
+    """
     values = upgrade_model_fields(values)
+    hf_dir = values.pop("from_hf", None)
     name = values.pop("preset", None)
-    if name is None:
-        return _build(ModelConfig, "model", values)
-    if not isinstance(name, str):
+    if name is not None and not isinstance(name, str):
         raise ValueError(f"model.preset = {name!r}: expected a string, one of the preset names")
-    check_field_types(ModelConfig, "model", values, extra_keys=("preset",))
-    return preset(name, **values)
+    if hf_dir is not None and not isinstance(hf_dir, str):
+        raise ValueError(f"model.from_hf = {hf_dir!r}: expected a string, a Hugging Face model directory")
+    check_field_types(ModelConfig, "model", values)
+    origin = f"the model block of {source}" + (f" (preset {name!r})" if name else "")
+    if hf_dir is not None:
+        fields = hf_model_fields(hf_dir)
+        conflicts = [f"model.{key} is {values[key]!r} in {source}, the HF model ({hf_dir}/config.json) has "
+                     f"{value!r}" for key, value in fields.items() if key in values and values[key] != value]
+        if conflicts:
+            raise ValueError("model.from_hf and fields set beside it disagree:\n  " + "\n  ".join(conflicts) +
+                             "\nremove those fields: model.from_hf sets them")
+        values = {**values, **fields}
+        origin = f"{hf_dir}/config.json (model.from_hf)" + (f" and preset {name!r}" if name else "")
+    elif name is None:
+        missing = [f.name for f in dataclasses.fields(ModelConfig)
+                   if f.default is dataclasses.MISSING and f.name not in values]
+        if missing:
+            raise ValueError(f"{source}: the model block lacks {missing}: give a preset (model.preset), the fields, "
+                             f"or a Hugging Face model (model.from_hf)")
+    return (preset(name, **values) if name else ModelConfig(**values)), origin
 
 
-def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
-    """Validate everything that can be validated without a process group."""
+def hf_model_fields(hf_dir: str) -> dict[str, Any]:
+    """The ModelConfig fields a Hugging Face model directory's config.json fixes (transformers imported only here)."""
+    from hf.config_map import model_fields_from_hf, read_hf_config
+
+    return model_fields_from_hf(read_hf_config(hf_dir))
+
+
+def parse_run_config(raw: dict[str, Any], source: str = "<dict>", *, check_layout: bool = True) -> RunConfig:
+    """Validate everything that can be validated without a process group. ``check_layout=False`` leaves the TP x PP
+    split unchecked, for a caller that first compares the model with something else (RunConfig.check_layout)."""
     missing = [name for name in ("model", "schedule") if name not in raw]
     if missing:
         raise ValueError(f"{source}: missing block(s) {missing}")
@@ -361,24 +409,53 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     if "optimizer" in deepspeed and schedule_lr is not None:
         deepspeed = {**deepspeed, "optimizer": {**deepspeed["optimizer"], "params": {**optimizer_params,
                                                                                     "lr": schedule_lr}}}
-    model = _model_config(raw["model"])
+    model, model_origin = _model_config(raw["model"], source)
     config = RunConfig(model=model,
                        parallelism=_build(ParallelConfig, "parallelism", raw.get("parallelism", {})),
                        schedule=_build(ScheduleConfig, "schedule", raw["schedule"]),
                        data=_build(DataConfig, "data", raw.get("data", {})),
                        training=_build(TrainingConfig, "training", raw.get("training", {})),
-                       deepspeed=deepspeed, source=source)
-    config.model.check_parallel(config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size,
-                                config.parallelism.sequence_parallel)
-    if config.data.eod_token_id >= config.model.vocab_size:
-        raise ValueError(f"{source}: model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's: its "
-                         f"end-of-document id data.eod_token_id ({config.data.eod_token_id}) does not fit; give the "
-                         f"model at least the tokenizer's vocabulary (50257 for GPT-2)")
+                       deepspeed=deepspeed, source=source, from_hf=raw["model"].get("from_hf"),
+                       model_origin=model_origin)
+    if check_layout:
+        config.check_layout()
+    _resolve_end_of_document(config)
     config.learning_rate_schedule()
     config.batch_schedule()
     config.noise_scale_schedule(data_parallel_size=1)  # bounds, factor, interval; the DP multiple in check_world
     _check_precision(config)
     return config
+
+
+def _resolve_end_of_document(config: RunConfig) -> None:
+    """data.eod_token_id: as set, else the end-of-text id of the HF tokenizer the run starts from (the one
+    training.init_from's checkpoint carries, else model.from_hf's), else GPT-2's; it must fit the vocabulary."""
+    if config.data.eod_token_id is None:
+        config.data.eod_token_id, config.eod_origin = _tokenizer_end_of_text(config)
+    if config.data.eod_token_id >= config.model.vocab_size:
+        raise ValueError(f"{config.source}: model.vocab_size ({config.model.vocab_size}) is smaller than the "
+                         f"tokenizer's: its end-of-document id data.eod_token_id ({config.data.eod_token_id}, "
+                         f"{config.eod_origin}) does not fit; give the model at least the tokenizer's vocabulary "
+                         f"(50257 for GPT-2), or set data.eod_token_id")
+
+
+def _tokenizer_end_of_text(config: RunConfig) -> tuple[int, str]:
+    from hf.tokenizer import TOKENIZER_DIRECTORY, TOKENIZER_FILES
+
+    candidates = []
+    if config.training.init_from:
+        candidates.append(Path(config.training.init_from) / TOKENIZER_DIRECTORY)
+    if config.from_hf:
+        candidates.append(Path(config.from_hf))
+    for directory in candidates:
+        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+            from hf.tokenizer import end_of_text_id
+
+            token = end_of_text_id(directory)
+            if token is None:
+                raise ValueError(f"the tokenizer in {directory} has no end-of-text token: set data.eod_token_id")
+            return token, f"the end-of-text token of the tokenizer in {directory}"
+    return GPT2_END_OF_TEXT, "GPT-2's <|endoftext|>, the default"
 
 
 def _check_precision(config: RunConfig) -> None:
@@ -392,7 +469,7 @@ def _check_precision(config: RunConfig) -> None:
                          f"enable {deepspeed_precision}: make them agree")
 
 
-def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+def load_run_config(path: str | Path, overrides: list[str] | None = None, *, check_layout: bool = True) -> RunConfig:
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -400,4 +477,4 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
         raise ValueError(f"config file {path} does not exist") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    return parse_run_config(apply_overrides(raw, overrides or []), source=str(path))
+    return parse_run_config(apply_overrides(raw, overrides or []), source=str(path), check_layout=check_layout)
