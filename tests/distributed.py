@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -72,6 +73,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is written: skip the interpreter's teardown (about a second per process)
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: int = DEFAULT_TIMEOUT_S) -> list[Any]:

@@ -1,7 +1,14 @@
-"""Launch train.py as users do (the deepspeed launcher, 4 CPU processes, TP 2 x PP 2) and read what it logged."""
+"""Launch train.py as users do (the deepspeed launcher, 4 CPU processes, TP 2 x PP 2) and read what it logged.
+
+The runs go through DeepSpeed's per-node launcher, ``python -m deepspeed.launcher.launch``, the program its
+``deepspeed`` command starts on every node (locally for --num_gpus, over pdsh for a hostfile) and the one that starts
+the ranks. The ``deepspeed`` command itself, a second Python process with DeepSpeed imported in front of it (about
+3 s per launch on 2 cores), is run by tests/test_launchers.py with a hostfile.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -55,11 +62,20 @@ def train_arguments(data_prefix: Path, save: Path, max_steps: int = STEPS, extra
     return arguments
 
 
+def node_launcher(world_info: dict[str, list[int]], node_rank: int, port: int, arguments: list[str]) -> list[str]:
+    """What DeepSpeed's runner starts on node ``node_rank`` (deepspeed/launcher/runner.py, multinode_runner.py):
+    its per-node launcher, with the base64 world info, the master address and port."""
+    encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={encoded}",
+            f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}", *arguments]
+
+
 def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
                   processes: int = 4, ds_config: str = "ds_configs/tiny-cpu.json",
                   base: list[str] = OVERRIDES) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes), "--master_port",
-            str(free_port()), *train_arguments(data_prefix, save, max_steps, extra, processes, ds_config, base)]
+    """One node of ``processes`` ranks, as ``deepspeed --num_gpus N train.py ...`` starts it."""
+    return node_launcher({"localhost": list(range(processes))}, 0, free_port(),
+                         train_arguments(data_prefix, save, max_steps, extra, processes, ds_config, base))
 
 
 def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),

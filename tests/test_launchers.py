@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 import subprocess
 import sys
@@ -22,7 +20,15 @@ import pytest
 import torch
 
 from tests.distributed import free_port
-from tests.launch import ROOT, final_weights, launcher_env, same_weights, train_arguments, trajectory
+from tests.launch import (
+    ROOT,
+    final_weights,
+    launcher_env,
+    node_launcher,
+    same_weights,
+    train_arguments,
+    trajectory,
+)
 
 STEPS = 2
 TP2_PP2 = ["parallelism.tensor_parallel_size=2", "parallelism.pipeline_parallel_size=2"]
@@ -70,11 +76,8 @@ def test_hostfile_launch_trains_and_checkpoints(hostfile_run):
 def launch_node(node_rank: int, world_info: dict[str, list[int]], port: int, arguments: list[str]
                 ) -> subprocess.Popen:
     """What DeepSpeed's PDSHRunner runs on node ``node_rank`` (deepspeed/launcher/multinode_runner.py)."""
-    encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
-    command = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={encoded}",
-               f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}", *arguments]
-    return subprocess.Popen(command, cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(node_launcher(world_info, node_rank, port, arguments), cwd=ROOT, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.distributed
