@@ -40,6 +40,8 @@ core (SelfAttention), "none" stores everything. Both replay the dropout masks of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -156,6 +158,31 @@ class EmbeddingDropout(nn.Module):
 POSITION_LAYERS = {"learned": PositionEmbedding, "rope": EmbeddingDropout}
 
 
+class KVCache:
+    """The keys and values one block's attention has seen, on this rank's heads (inference only).
+
+        keys, values   (b, g/R, past, d) each: the key/value heads of this TP rank, like the attention itself
+
+    A forward with a cache attends over the cached positions and its own, then appends its keys and values; RoPE
+    rotates the new q and k at positions past .. past + s - 1, so the cache holds rotated keys, as transformers'
+    does. ``kv_caches(module)`` gives every attention of a stage its own for one sequence (or batch) at a time."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (b, g/R, s, d) keys and values; return all of them, cached first."""
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention over this rank's heads: fused QKV column-parallel, output row-parallel.
 
@@ -186,6 +213,7 @@ class SelfAttention(nn.Module):
                                        bias=config.other_linears_have_bias)
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
                        if config.position_embedding == "rope" else None)
+        self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
@@ -195,8 +223,11 @@ class SelfAttention(nn.Module):
         qkv = qkv.permute(0, 2, 3, 1, 4)  # (b, g/R, q + 2, s, d)
         q = qkv[:, :, :per_group].flatten(1, 2)  # (b, nh/R, s, d), query head j in group j // q
         k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]  # each (b, g/R, s, d)
+        past = 0 if self.kv_cache is None else self.kv_cache.length
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
+            q, k = self.rotary(q, k, offset=past)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.extend(k, v)  # each (b, g/R, past + s, d)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = checkpoint(self.rng, self.core, q, k, v)
         else:
@@ -205,10 +236,18 @@ class SelfAttention(nn.Module):
         return self.dense(context)  # (b, s, h)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns."""
+        """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns.
+
+        With a KV cache the s queries are the last s of the keys' positions: one query sees every key, several see
+        the keys up to their own position (a bottom-right causal mask)."""
         dropout = self.dropout if self.training else 0.0
+        queries, keys = q.shape[-2], k.shape[-2]
+        mask = None
+        if keys > queries > 1:
+            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
         with self.rng.fork(enabled=dropout > 0):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=queries == keys,
+                                                  dropout_p=dropout,
                                                   enable_gqa=self.queries_per_group > 1)  # (b, nh/R, s, d)
 
     def extra_repr(self) -> str:
@@ -315,6 +354,20 @@ class FinalRMSNorm(RMSNorm):
 
 
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
+
+
+@contextmanager
+def kv_caches(module: nn.Module) -> Iterator[list[KVCache]]:
+    """Give every attention in ``module`` (a stage, or the whole GPT) an empty KV cache for the duration."""
+    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    caches = [KVCache() for _ in attentions]
+    for attention, cache in zip(attentions, caches, strict=True):
+        attention.kv_cache = cache
+    try:
+        yield caches
+    finally:
+        for attention in attentions:
+            attention.kv_cache = None
 
 
 def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> list:

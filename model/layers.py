@@ -269,12 +269,13 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (s, d) of positions 0 .. s-1, in fp32 then cast to ``dtype`` (transformers' order of operations).
+                 device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (s, d) of positions offset .. offset + s - 1 (a KV cache holds the first ``offset``), in fp32
+    then cast to ``dtype`` (transformers' order of operations).
 
     Frequencies are laid out [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}]: Hugging Face Llama's non-interleaved convention,
     whose partner of dimension i is i + d/2 (rotate_half), so Llama weights need no row permutation."""
-    positions = torch.arange(seq_length, device=device, dtype=torch.float)
+    positions = torch.arange(offset, offset + seq_length, device=device, dtype=torch.float)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]  # (s, d/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (s, d)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -288,7 +289,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE on this rank's q and k heads (b, heads, s, d) at positions 0 .. s-1; no parameters, nothing sharded.
+    """RoPE on this rank's q and k heads (b, heads, s, d) at positions offset .. offset + s - 1 (offset: the tokens a KV
+    cache already holds, 0 in training); no parameters, nothing sharded.
 
     The frequencies are a plain fp32 tensor, not a buffer: a bf16 cast of the model (DeepSpeed's) must not round
     them, and a checkpoint need not hold them (they follow from the config)."""
@@ -298,8 +300,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (d/2,) fp32
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device)  # each (s, d)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset)  # each (s, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def extra_repr(self) -> str:
@@ -381,3 +383,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     Equals F.cross_entropy(gathered_logits, labels, reduction="none", ignore_index=ignore_index), in fp32.
     """
     return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, ignore_index)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
+    """The global argmax (b, s) of logits split by vocabulary, this rank's slice (b, s, V/R) starting at global id
+    ``vocab_start``: the first id holding the largest value, as torch.argmax of the gathered logits gives it. Two
+    all-reduces of (b, s) tensors; the logits are never gathered."""
+    local_max, local_index = logits.float().max(dim=-1)  # first maximum of this slice
+    if group_size(group) <= 1:
+        return local_index + vocab_start
+    global_max = local_max.clone()
+    torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    candidate = torch.where(local_max == global_max, local_index + vocab_start,
+                            torch.full_like(local_index, torch.iinfo(torch.int64).max))
+    torch.distributed.all_reduce(candidate, op=torch.distributed.ReduceOp.MIN, group=group)
+    return candidate

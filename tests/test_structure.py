@@ -5,9 +5,10 @@ The packages in layers, each importing only from layers below it (and from itsel
     0  data/                     indexed datasets, tokenizers, samples, blending, the loader
     1  model/                    the model, its parallel layers, its parameter and FLOP counts, the checkpoint files
     2  hf/, planner/             Hugging Face conversion; planning a run (they do not import each other)
-    3  training/                 the loop, the engine, checkpoints, schedules, metrics, the run config
-    4  tools/, train.py          command-line programs
-    5  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
+    3  evaluation/               inference pipeline, generation, the lm-evaluation-harness model, its tasks
+    4  training/                 the loop, the engine, checkpoints, schedules, metrics, the run config
+    5  tools/, train.py          command-line programs
+    6  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
 
 One exception, and why: planner/ reads the run configuration, training/config.py and the batch ramp that it builds
 (training/schedules.py, pure arithmetic). Moving RunConfig below the planner would move the whole config; nothing in
@@ -25,9 +26,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"data": 0, "model": 1, "hf": 2, "planner": 2, "training": 3, "tools": 4, "train": 4, "benchmarks": 5,
-          "scripts": 5, "tests": 5}
-TOP = 5  # benchmarks and scripts may use the tests' launch helpers
+LAYERS = {"data": 0, "model": 1, "hf": 2, "planner": 2, "evaluation": 3, "training": 4, "tools": 5, "train": 5,
+          "benchmarks": 6, "scripts": 6, "tests": 6}
+TOP = 6  # benchmarks and scripts may use the tests' launch helpers
 ALLOWED_UPWARD = {"planner": {"training.config", "training.schedules"}}
 MAX_MODULE_LINES = 600
 

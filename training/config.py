@@ -162,6 +162,21 @@ class TrainingConfig:
     noise_scale_beta: float = 0.99
     """Moving-average beta of the gradient noise scale's |G|^2 and tr(Sigma) estimates, measured at every step when
     DP >= 2 (training/noise_scale.py)."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks run on the live model (training/task_evaluation.py): the shipped ones
+    (evaluation/tasks/: alice_lastword, alice_choice, alice_pages), eval_tasks_include_path's, or lm-eval's own with
+    their datasets cached. Empty: none."""
+    eval_tasks_interval: int = 0
+    """Run eval_tasks every N steps (0: only at the end of the run)."""
+    eval_tasks_limit: int | None = None
+    """At most this many documents per task (None: all)."""
+    eval_tasks_num_fewshot: int | None = None
+    """Examples before each question (None: each task's own)."""
+    eval_tasks_include_path: str | None = None
+    """A folder of task YAMLs besides the shipped ones."""
+    eval_tasks_tokenizer: str | None = None
+    """The Hugging Face tokenizer of the training data (default: the one the run started from, training.init_from's
+    or model.from_hf's, else GPT-2's)."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval",):
@@ -186,6 +201,11 @@ class TrainingConfig:
             raise ValueError(f"training.rendezvous_timeout_s must be positive, got {self.rendezvous_timeout_s}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"training.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        if self.eval_tasks_interval < 0:
+            raise ValueError(f"training.eval_tasks_interval must be >= 0, got {self.eval_tasks_interval}")
+        if self.eval_tasks_interval and not self.eval_tasks:
+            raise ValueError("training.eval_tasks_interval is set but training.eval_tasks is empty: name the tasks, "
+                             "e.g. [\"alice_lastword\", \"alice_choice\"]")
         guard = self.spike_guard_config()
         if guard.rollback and not self.save:
             raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")

@@ -28,6 +28,8 @@ def format_record(kind: str, record: dict[str, Any]) -> str:
     parts = [fmt.format(record[key]) for key, fmt in CONSOLE_FIELDS if record.get(key) is not None]
     if kind == "train" and record.get("mfu") is None:
         parts.append("MFU n/a (no GPU peak known)")
+    if kind == "tasks":  # lm-eval metrics, "<task>/<metric>"
+        parts += [f"{key} {value:.4g}" for key, value in record.items() if "/" in key]
     return f"[{kind}] " + " | ".join(parts)
 
 

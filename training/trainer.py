@@ -34,6 +34,7 @@ from training.guards import SpikeGuard, attach_spike_guard
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.noise_scale import NoiseScaleMonitor
+from training.task_evaluation import TaskEvaluation
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Trainer:
         self.noise_scale = NoiseScaleMonitor(engine, ctx, beta=config.training.noise_scale_beta, info=self.logger.info)
         self.noise_scale_schedule = config.noise_scale_schedule(ctx.data_parallel_size)
         self.faults = FaultPlan.from_environment()
+        self.tasks = TaskEvaluation(config, engine, ctx, self.logger) if config.training.eval_tasks else None
         self.spike_guard = SpikeGuard(config.training.spike_guard_config())
         if self.spike_guard.config.enabled:  # it reads the step's loss (one host sync per step): only when asked
             attach_spike_guard(engine, self.spike_guard)
@@ -128,6 +130,8 @@ class Trainer:
                         continue
                 if self._due(self.config.training.eval_interval):
                     self.evaluate()
+                if self.tasks is not None and self._due(self.config.training.eval_tasks_interval):
+                    self.tasks.run(self.state.step, self.state.consumed_tokens)
                 if status.stop_requested or self._due(self.config.training.save_interval):
                     self.save()
                 if status.stop_requested:
@@ -135,6 +139,8 @@ class Trainer:
                     return self.state
             if not self._due(self.config.training.eval_interval):  # the last step was not evaluated yet
                 self.evaluate()
+            if self.tasks is not None and not self._due(self.config.training.eval_tasks_interval):
+                self.tasks.run(self.state.step, self.state.consumed_tokens)
             self.save()
             return self.state
         finally:

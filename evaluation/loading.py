@@ -1,0 +1,117 @@
+"""A checkpoint's model at any TP x PP x DP for inference: this rank's stage, its weights, and the tokenizer.
+
+The stage is the training model's own (model/gpt.py build_pipeline_model: the same LayerSpecs and the same
+partitioning), built at the requested layout, with sequence parallelism off (a generation step of one token cannot
+be split over the sequence; the weights do not depend on it). Its weights come from the checkpoint's layer files,
+written at whatever TP the run had:
+
+    same TP            each layer's file of this TP rank, as saved
+    another TP         each layer's TP shards merged into the whole tensor and split for this TP rank, by the
+                       Hugging Face tables (hf/tables.py, hf/transforms.py: merge_to_hf then split_from_hf), the
+                       path the export and import take; copies and slices only, so the weights are exact
+    another PP or DP   nothing to convert: a stage reads the layer files of its own layers
+
+Only weights are read (no optimizer state), one layer at a time, memory-mapped. The layout comes from the
+checkpoint's run config unless the caller gives another.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from evaluation.pipeline import Pipeline, Stage
+from hf.checkpoint_reader import Checkpoint, open_checkpoint, read_layer
+from hf.tables import PRECISION_DTYPES, LayerMap, layer_maps
+from hf.tokenizer import TOKENIZER_DIRECTORY, gpt2_tokenizer, load_tokenizer
+from hf.transforms import merge_to_hf, split_from_hf
+from model.config import GPT2_VOCAB_SIZE, ModelConfig, ParallelConfig
+from model.gpt import build_pipeline_model
+from model.parallel import ParallelContext, build_parallel_context, init_distributed
+
+
+def one_process_defaults() -> None:
+    """A plain ``python tools/x.py`` (no launcher) is a world of one: the variables a launcher would set."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def layer_state(checkpoint: Checkpoint, layer: LayerMap, model: ModelConfig, tensor_parallel_size: int,
+                tensor_parallel_rank: int) -> dict[str, torch.Tensor]:
+    """One layer's state_dict for TP rank ``tensor_parallel_rank`` of ``tensor_parallel_size`` (module docstring)."""
+    saved_tp = checkpoint.tensor_parallel_size
+    if saved_tp == tensor_parallel_size:
+        path_shards = read_layer(checkpoint, layer)
+        return dict(path_shards[tensor_parallel_rank])
+    shards = read_layer(checkpoint, layer)
+    state = {}
+    for tensor in layer.tensors:
+        whole = merge_to_hf(tensor, [shard[tensor.ours] for shard in shards], checkpoint.model)
+        state[tensor.ours] = split_from_hf(tensor, whole, model, tensor_parallel_size)[tensor_parallel_rank]
+    return state
+
+
+def _load_stage_weights(module, checkpoint: Checkpoint, model: ModelConfig, ctx: ParallelContext) -> None:
+    """Every layer of this rank's stage (the tied head: the embedding it shares, layer 0)."""
+    maps = {layer.index: layer for layer in layer_maps(model)}
+    head = model.num_layers + 3
+    for index in range(module._local_start, module._local_stop):
+        source = 0 if index == head and model.tie_word_embeddings else index
+        if model.tie_word_embeddings and source == 0:
+            target = module.tied_modules["word_embeddings"]
+        else:
+            target = module._modules[str(index)]
+        state = layer_state(checkpoint, maps[source], model, ctx.tensor_parallel_size, ctx.tensor_parallel_rank)
+        target.load_state_dict(state, strict=True)
+
+
+def load_stage(checkpoint_dir: str | Path, tag: str | None = None, parallel: ParallelConfig | None = None,
+               dtype: torch.dtype | None = None) -> tuple[Stage, Checkpoint]:
+    """This rank's stage of the checkpoint's model at ``parallel`` (default: the checkpoint's TP x PP), its weights
+    loaded, in eval mode, in ``dtype`` (default: the training precision). Collective: every rank calls it."""
+    checkpoint = open_checkpoint(checkpoint_dir, tag)
+    model = checkpoint.model
+    parallel = parallel or ParallelConfig(checkpoint.parallel.tensor_parallel_size,
+                                          checkpoint.parallel.pipeline_parallel_size)
+    parallel = ParallelConfig(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                              partition_method=parallel.partition_method, sequence_parallel=False)
+    model.check_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    one_process_defaults()
+    init_distributed()
+    ctx = build_parallel_context(parallel)
+    module = build_pipeline_model(model, ctx, seed=0, partition_method=parallel.partition_method)
+    with torch.no_grad():
+        _load_stage_weights(module, checkpoint, model, ctx)
+    module.to(dtype or PRECISION_DTYPES[model.precision]).eval()
+    return Stage(list(module.forward_funcs), module, ctx, model), checkpoint
+
+
+def load_pipeline(checkpoint_dir: str | Path, tag: str | None = None, parallel: ParallelConfig | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[Pipeline, Checkpoint]:
+    stage, checkpoint = load_stage(checkpoint_dir, tag, parallel, dtype)
+    return Pipeline(stage), checkpoint
+
+
+def checkpoint_tokenizer(checkpoint: Checkpoint | Path, tokenizer: str | Path | None = None, model: ModelConfig | None = None):
+    """The tokenizer of a checkpoint: ``tokenizer`` (an HF tokenizer directory) if given, else the one an import
+    carried (<checkpoint>/hf_tokenizer), else GPT-2's when the vocabulary is GPT-2's; otherwise a ValueError that
+    names the option to pass."""
+    directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else Path(checkpoint)
+    model = model or checkpoint.model
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if (directory / TOKENIZER_DIRECTORY).is_dir():
+        return load_tokenizer(directory / TOKENIZER_DIRECTORY)
+    if model.vocab_size == GPT2_VOCAB_SIZE:
+        return gpt2_tokenizer(model.max_position_embeddings)
+    raise ValueError(f"{directory} carries no tokenizer ({TOKENIZER_DIRECTORY}/) and its vocabulary "
+                     f"({model.vocab_size:,}) is not GPT-2's: pass --tokenizer DIR, the Hugging Face tokenizer "
+                     f"directory the training data was tokenised with")
