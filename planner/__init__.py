@@ -13,6 +13,8 @@ One module per concern, each with its own formulas in its docstring (the whole d
                 the DP reduction, the optimizer step
     ramp        the batch ramp's sizes against DP, the whole training time   training/schedules.py
     scaling     tokens per parameter, the compute-optimal size (Chinchilla)  memory
+    checkpointing  a checkpoint's size, its write at a storage bandwidth,  memory
+                the share of the run a save stops it, sync and async
     plan        one cluster size: errors, warnings, memory, time            all of the above
     search      every layout of one cluster size, ranked                    hardware, memory, timing
     report      the text tables and the --json documents (schema_version)   plan, search, scaling
@@ -21,6 +23,7 @@ Only the run configuration is read from training/ (training/config.py, and the b
 training/schedules.py): nothing in the training loop imports the planner.
 """
 
+from planner.checkpointing import Storage
 from planner.hardware import ATTENTION_SCORES, GPU_PRESETS, Assumptions, Hardware
 from planner.memory import count_parameters
 from planner.plan import Plan, plan_cluster
@@ -35,6 +38,6 @@ from planner.report import (
 )
 from planner.search import search_layouts
 
-__all__ = ["ATTENTION_SCORES", "GPU_PRESETS", "SCHEMA_VERSION", "Assumptions", "Hardware", "Plan", "count_parameters",
+__all__ = ["ATTENTION_SCORES", "GPU_PRESETS", "SCHEMA_VERSION", "Assumptions", "Hardware", "Plan", "Storage", "count_parameters",
            "format_comparison", "format_header", "format_plan", "format_search", "plan_cluster", "report_to_dict",
            "search_layouts", "search_to_dict"]

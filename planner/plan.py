@@ -13,6 +13,7 @@ from typing import Any
 
 from model.config import set_option
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
+from planner.checkpointing import CheckpointCost, Storage, checkpoint_cost
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory, stage_memory
 from planner.ramp import TrainingTime, ramp_sizes_not_dividing, suggest_ramp, training_time
@@ -42,6 +43,7 @@ class Plan:
     full_batch: IterationTime | None = None
     training: TrainingTime | None = None
     measured: dict[str, float] | None = None
+    checkpoint: CheckpointCost | None = None
 
     @property
     def ok(self) -> bool:
@@ -120,7 +122,8 @@ def measured_throughput(config: RunConfig, gpus: int, iteration_seconds: float, 
 
 
 def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
-                 parameters: ParameterCounts, iteration_seconds: float | None = None) -> Plan:
+                 parameters: ParameterCounts, iteration_seconds: float | None = None,
+                 storage: Storage | None = None) -> Plan:
     """The plan for one node count: errors (impossible) and warnings, memory, time and the whole training."""
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     gpus = nodes * hardware.gpus_per_node
@@ -159,4 +162,9 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
     plan.first_batch, plan.full_batch = times[ramp.sizes()[0]], times[ramp.end]
     if iteration_seconds is not None:
         plan.measured = measured_throughput(config, gpus, iteration_seconds, hardware, plan.full_batch.seconds)
+    plan.checkpoint = checkpoint_cost(config, parameters, d, plan.full_batch.seconds, hardware, storage or Storage())
+    if plan.checkpoint.async_overlaps_next_save:
+        plan.warnings.append(f"a checkpoint takes {plan.checkpoint.write_seconds:.0f} s to write, more than "
+                             f"training.save_interval = {config.training.save_interval} iterations: each save waits "
+                             f"for the previous one; raise save_interval or the storage bandwidth")
     return plan

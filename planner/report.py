@@ -2,7 +2,8 @@
 
 JSON (``tools/plan.py --json``): one object
     schema_version: int (SCHEMA_VERSION; docs/planning.md lists what each version changed)
-    config: str (the run config's path); gpu: Hardware fields; assumptions: Assumptions fields;
+    config: str (the run config's path); gpu: Hardware fields; assumptions: Assumptions fields; storage: Storage
+        fields (planner/checkpointing.py);
     deepspeed: DeepSpeedLayout fields; parameters: {stages: [{stage, layers, parameters_per_tp_rank,
         analytic_per_tp_rank, parameters_per_stage}], total, analytic_total}
     compute_optimal: {flops (C = 6 N D), run, chinchilla, twenty_tokens_per_parameter: each {parameters, tokens,
@@ -16,7 +17,7 @@ JSON (``tools/plan.py --json``): one object
         first_batch, full_batch: IterationTime fields (seconds; micro_batch: MicroBatchTime of the slowest stage;
             tflops_per_gpu and hfu from hardware FLOPs, mfu from model FLOPs),
         training: TrainingTime fields, measured: {iteration_seconds, tflops_per_gpu, model_tflops_per_gpu, hfu, mfu,
-            predicted_over_measured} | null}]
+            predicted_over_measured} | null, checkpoint: CheckpointCost fields | null}]
     --search --json: {schema_version, config, nodes, gpus, gpu, assumptions, ranked_by, layouts_tried, layouts_fitting, best,
         layouts: [Layout fields + peak_memory_bytes, peak_memory_gib, iteration_seconds, tflops_per_gpu, hfu, mfu]}
     Bytes are integers, times seconds, FLOPs floats. An impossible plan has errors and null figures where they
@@ -32,6 +33,7 @@ from typing import Any
 
 from model.config import ModelConfig, set_option
 from model.summary import StageCount
+from planner.checkpointing import CheckpointCost, Storage
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory
 from planner.plan import Plan
@@ -49,10 +51,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 
 def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptions, parameters: ParameterCounts,
-                   plans: list[Plan]) -> dict[str, Any]:
+                   plans: list[Plan], storage: Storage | None = None) -> dict[str, Any]:
     """The --json document (schema in the module docstring)."""
     return {"schema_version": SCHEMA_VERSION, "config": config.source, "gpu": dataclasses.asdict(hardware),
-            "assumptions": dataclasses.asdict(assumptions),
+            "assumptions": dataclasses.asdict(assumptions), "storage": dataclasses.asdict(storage or Storage()),
             "deepspeed": dataclasses.asdict(deepspeed_layout(config)),
             "parameters": dataclasses.asdict(parameters),
             "compute_optimal": dataclasses.asdict(compute_optimal(config, parameters)),
@@ -247,9 +249,21 @@ def format_plan(plan: Plan) -> str:
                            f"{f['full_batch']:.4g} / {f['full_batch_model']:.4g}", "  "))
         lines.append(format_time(plan))
         lines.append(format_training(plan))
+    if plan.checkpoint is not None:
+        lines.append(format_checkpoint(plan.checkpoint))
     if plan.measured:
         lines.append(format_measured(plan.measured))
     return "\n".join(lines)
+
+
+def format_checkpoint(cost: CheckpointCost) -> str:
+    every = f"every {cost.save_interval} iterations" if cost.save_interval else "(no save_interval)"
+    return _wrap(f"checkpoint: {cost.bytes_per_run / 1e12:.3g} TB per run, {cost.bytes_per_rank / 1e9:.3g} GB from the "
+                 f"busiest rank ({cost.bytes_per_node / 1e9:.3g} GB from its node); written in "
+                 f"{cost.write_seconds:.1f} s. Saved {every}: sync stops training {cost.write_seconds:.1f} s a save "
+                 f"({cost.lost_share_sync:.2%} of the run), async {cost.async_stall_seconds:.2f} s "
+                 f"({cost.lost_share_async:.3%}), holding {cost.async_host_bytes_per_rank / 1e9:.3g} GB of host memory "
+                 f"per rank while it writes", "  ")
 
 
 def format_training(plan: Plan) -> str:

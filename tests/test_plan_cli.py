@@ -72,7 +72,7 @@ def test_cli_json_has_the_documented_schema(capsys):
     status, out, _ = run_cli(capsys, "--nodes", "560", "--gpu", "h100-80gb", "--matmul-efficiency", "0.5",
                              "--iteration-seconds", "30", "--json")
     report = json.loads(out)
-    assert status == 0 and set(report) == {"schema_version", "config", "gpu", "assumptions", "deepspeed",
+    assert status == 0 and set(report) == {"schema_version", "config", "gpu", "assumptions", "storage", "deepspeed",
                                            "parameters", "compute_optimal", "plans"}
     assert report["gpu"]["peak_tflops"] == 989 and report["assumptions"]["matmul_efficiency"] == 0.5
     assert report["assumptions"]["attention_scores"] == "recomputed"

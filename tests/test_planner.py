@@ -462,3 +462,20 @@ def test_memory_parts_match_deepspeed_allocations():
         for part, per_group in padding_bytes.items():
             assert 0 <= r[part] - getattr(planned, part) <= r["groups"] * per_group, (r["optimizer"], r["stage"], part)
         assert r["weights"] == planned.weights and r["adam_states"] == planned.adam_states  # no padding here
+
+
+def test_530b_checkpoint_size_write_and_stall_by_hand(recipe, parameters):
+    """bf16 weights from DP rank 0 of each (stage, TP rank), the tied head's copy not saved; 12 bytes of fp32 master
+    weights and Adam moments per parameter, split over DP 8; 2 GB/s per node, 100 GB/s in all, 20 GB/s to host."""
+    from planner.checkpointing import Storage, checkpoint_cost
+
+    held = 8 * sum(count.parameters_per_tp_rank for count in parameters.stages)
+    cost = checkpoint_cost(recipe, parameters, 8, 56.0, A100, Storage())
+    assert cost.bytes_per_run == 2 * (held - 51200 * 20480) + 12 * held
+    assert 7.40e12 < cost.bytes_per_run < 7.45e12  # "about 7.4 TB"
+    assert cost.bytes_per_rank == 2 * N_FIRST + 12 * N_FIRST // 8
+    assert cost.write_seconds == max(8 * cost.bytes_per_rank / 2e9, cost.bytes_per_run / 100e9)
+    assert cost.async_stall_seconds == cost.bytes_per_rank / 20e9
+    between = 100 * 56.0  # save_interval 100 in 530b.json
+    assert cost.lost_share_sync == pytest.approx(cost.write_seconds / (between + cost.write_seconds), rel=1e-12)
+    assert cost.lost_share_async < cost.lost_share_sync / 100

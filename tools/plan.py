@@ -26,6 +26,7 @@ from planner import (
     GPU_PRESETS,
     Assumptions,
     Hardware,
+    Storage,
     count_parameters,
     format_comparison,
     format_header,
@@ -42,6 +43,10 @@ from training.config import load_run_config
 HARDWARE_FLAGS = {  # flag -> Hardware field
     "--peak-tflops": "peak_tflops", "--memory-gib": "memory_gib", "--hbm-gbytes-per-s": "hbm_gbytes_per_s",
     "--nvlink-gbytes-per-s": "nvlink_gbytes_per_s", "--ib-gbits-per-gpu": "ib_gbits_per_s",
+}
+STORAGE_FLAGS = {  # flag -> Storage field
+    "--storage-gbps": "node_gbytes_per_s", "--storage-aggregate-gbps": "aggregate_gbytes_per_s",
+    "--host-copy-gbps": "host_gbytes_per_s",
 }
 ASSUMPTION_FLAGS = {  # flag -> Assumptions field
     "--matmul-efficiency": "matmul_efficiency", "--comm-efficiency": "comm_efficiency",
@@ -80,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(Assumptions(), name)
         parser.add_argument(flag, type=float, dest=name, default=default,
                             help=f"(default {default:g}) {_field_help(Assumptions, name)}")
+    for flag, name in STORAGE_FLAGS.items():
+        default = getattr(Storage(), name)
+        parser.add_argument(flag, type=float, dest=name, default=default,
+                            help=f"(default {default:g}) {_field_help(Storage, name)}")
     attention = parser.add_mutually_exclusive_group()
     attention.add_argument("--attention-scores", choices=ATTENTION_SCORES, default=Assumptions().attention_scores,
                            help=_field_help(Assumptions, "attention_scores"))
@@ -142,14 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                                   attention_scores=args.attention_scores)
         if args.search:
             return search(args, config, nodes, hardware, assumptions)
+        storage = Storage(**{name: getattr(args, name) for name in STORAGE_FLAGS.values()})
         parameters = count_parameters(config)
-        plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds)
+        plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds, storage)
                  for n, seconds in zip(nodes, measured, strict=True)]
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(report_to_dict(config, hardware, assumptions, parameters, plans), indent=1))
+        print(json.dumps(report_to_dict(config, hardware, assumptions, parameters, plans, storage), indent=1))
     else:
         print(format_header(config, hardware, assumptions, parameters))
         for plan in plans:

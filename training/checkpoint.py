@@ -2,15 +2,28 @@
 
 A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
 optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG streams, spike-guard window), and the
-training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. ``<save>/latest`` names
-the newest COMPLETE checkpoint: it is written by rank 0 only after every rank has finished writing (a barrier), to a
-temporary file, fsynced, and renamed over the old one. A crash while writing leaves the previous ``latest`` in place.
+training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. Every one of these files
+goes through the snapshot engine (training/checkpoint_engine.py): copied to host memory at the save, written by a
+background thread (temporary name, fsync, size and CRC-32 counted, rename). Then the commit, from the training loop:
 
-Before ``latest`` moves, rank 0 writes ``<tag>/checkpoint.json``: the layout that wrote it (TP x PP x DP) and every
-file's size and CRC-32, computed by all ranks (a share each). On resume the record is checked, by all ranks again,
-before DeepSpeed unpickles anything. A checkpoint written at another layout is converted once by DeepSpeed's
-universal-checkpoint converter into ``<save>/universal/<tag>/`` and loaded from there (``load_universal``). Old
-checkpoints are deleted, by rank 0 and after ``latest`` has moved, as ``training.keep_last`` / ``keep_every`` say.
+    when                                   what                                                   who
+    after every step (Checkpointer.poll)   one small all-reduce on a gloo group of its own: has   every rank
+                                           every rank's writer finished, has any failed
+    all finished, none failed              the files' sizes and CRC-32s gathered (no re-read),    rank 0
+                                           <tag>/checkpoint.json (the layout and every file)
+                                           written, then ``latest`` (each to a temporary name,
+                                           fsynced, renamed), then old checkpoints pruned
+    a writer failed                        nothing written; the failed checkpoint's directory     every rank
+                                           removed; the run stops after this step, naming the
+                                           file and the error
+    the next save, a SIGTERM, the end,     wait for the writer, then the same commit (at most
+    a spike rollback (Checkpointer.wait)   one checkpoint in flight)
+
+``training.checkpoint_mode`` "sync" runs the same engine and waits at once. A crash before the commit leaves the
+previous ``latest`` in place. On resume the record is checked, by all ranks, before DeepSpeed unpickles anything. A
+checkpoint written at another layout is converted once by DeepSpeed's universal-checkpoint converter into
+``<save>/universal/<tag>/`` and loaded from there (``load_universal``). Old checkpoints are deleted, by rank 0 and
+after ``latest`` has moved, as ``training.keep_last`` / ``keep_every`` say.
 """
 
 from __future__ import annotations
@@ -82,22 +95,21 @@ def _my_share(names: list[str]) -> list[str]:
     return names[dist.get_rank()::dist.get_world_size()]
 
 
-def write_record(directory: Path, tag: str, layout: Layout) -> None:
-    """Collective, after every rank has written its files: sizes and CRC-32 of every file, and the layout."""
+def write_record(directory: Path, tag: str, layout: Layout, files: dict[str, dict[str, int]]) -> None:
+    """Rank 0, once every rank's files are written: <tag>/checkpoint.json with the layout and every file's size and
+    CRC-32 (as the writers counted them; a file in the directory that no writer reported is read here)."""
     folder = directory / tag
-    names = sorted(path.name for path in folder.iterdir() if path.is_file() and path.name != RECORD)
-    mine = {name: {"bytes": (folder / name).stat().st_size, "crc32": _crc32(folder / name)} for name in _my_share(names)}
-    shares: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(shares, mine)
-    if dist.get_rank() == 0:
-        files = {name: entry for share in shares for name, entry in share.items()}
-        record = {"tag": tag, "layout": asdict(layout), "files": dict(sorted(files.items()))}
-        temporary = folder / f".{RECORD}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, folder / RECORD)
+    files = dict(files)
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != RECORD and path.name not in files and ".tmp-" not in path.name:
+            files[path.name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+    record = {"tag": tag, "layout": asdict(layout), "files": dict(sorted(files.items()))}
+    temporary = folder / f".{RECORD}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, folder / RECORD)
 
 
 def read_record(directory: str | Path, tag: str) -> dict[str, Any] | None:
@@ -310,37 +322,107 @@ class CheckpointWriteError(RuntimeError):
     """Writing a checkpoint failed; ``latest`` still names the previous complete one."""
 
 
+@dataclass
+class _InFlight:
+    tag: str
+    layout: Layout
+    previous: str | None
+    """``latest`` when the save began: what it still names if this checkpoint fails."""
+    before_commit: Callable[[], None] | None
+
+
+class Checkpointer:
+    """Writes checkpoints through the snapshot engine and commits them (the module docstring's table). Collective:
+    every rank makes the same calls in the same order."""
+
+    def __init__(self, engine: Any, directory: str | Path, mode: str = "async",
+                 keep: tuple[int | None, int | None] = (None, None), delay_s: float = 0.0,
+                 fail_on: str | None = None) -> None:
+        from training.checkpoint_engine import SnapshotCheckpointEngine
+
+        self.engine, self.directory, self.keep = engine, Path(directory), keep
+        zipfile = engine.checkpoint_engine.__dict__.get("zipfile_serialization", True)
+        self.files = SnapshotCheckpointEngine(mode, zipfile, delay_s, fail_on)
+        engine.checkpoint_engine = self.files  # every file DeepSpeed writes goes through it, layer files included
+        self.group = dist.new_group(backend="gloo")  # the commit's agreement: on CPU, apart from NCCL's streams
+        self.in_flight: _InFlight | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.files.mode
+
+    def save(self, step: int, client_state: dict[str, Any], rank_state: dict[str, Any] | None = None,
+             before_commit: Callable[[], None] | None = None) -> list[tuple[str, list[str]]]:
+        """Snapshot this step's checkpoint and hand it to the writer, the previous one committed first; with "sync",
+        wait for this one and commit it too. Returns what was committed: (tag, deleted tags) each."""
+        committed = [self.wait()]
+        tag = tag_for_step(step)
+        self.in_flight = _InFlight(tag, Layout.of_engine(self.engine), read_latest(self.directory), before_commit)
+        self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        self.files.save({"rng": rng_state(self.engine.module.tensor_parallel_rng), **(rank_state or {})},
+                        str(rank_state_file(self.directory / tag, dist.get_rank())))
+        self.files.start()
+        if self.mode == "sync":
+            committed.append(self.wait())
+        return [entry for entry in committed if entry is not None]
+
+    def poll(self) -> tuple[str, list[str]] | None:
+        """After a step: commit the checkpoint in flight if every rank's writer has finished (one small all-reduce);
+        returns (tag, deleted tags) when it committed. A failed writer raises CheckpointWriteError on every rank."""
+        if self.in_flight is None:
+            return None
+        status = torch.tensor([0.0 if self.files.finished else 1.0])
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        return None if status.item() else self._commit()
+
+    def wait(self) -> tuple[str, list[str]] | None:
+        """Wait for the checkpoint in flight and commit it (or raise CheckpointWriteError)."""
+        if self.in_flight is None:
+            return None
+        self.files.wait()
+        return self._commit()
+
+    def _commit(self) -> tuple[str, list[str]]:
+        point, (written, error) = self.in_flight, self.files.wait()
+        self.in_flight = None
+        self.files.forget()
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, str(error) if error else None, group=self.group)
+        failures = [message for message in errors if message]
+        if failures:
+            if dist.get_rank() == 0:
+                shutil.rmtree(self.directory / point.tag, ignore_errors=True)
+            dist.barrier(group=self.group)
+            raise CheckpointWriteError(
+                f"could not write checkpoint {self.directory / point.tag}: {failures[0]}. {LATEST} still names "
+                f"{point.previous or 'no checkpoint'}; free space or fix the mount, then relaunch to resume from it")
+        if point.before_commit:
+            point.before_commit()
+        shares: list[list] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(shares, [(f.name, f.bytes, f.crc32) for f in written], group=self.group)
+        deleted = []
+        if dist.get_rank() == 0:
+            files = {name: {"bytes": size, "crc32": crc} for share in shares for name, size, crc in share}
+            write_record(self.directory, point.tag, point.layout, files)
+            write_latest(self.directory, point.tag)
+            deleted = prune(self.directory, *self.keep)
+        dist.barrier(group=self.group)
+        return point.tag, deleted
+
+    def close(self) -> None:
+        self.files.cleanup()
+
 
 def save_checkpoint(engine: Any, directory: str | Path, step: int, client_state: dict[str, Any],
                     rank_state: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None,
                     keep: tuple[int | None, int | None] = (None, None)) -> tuple[str, list[str]]:
-    """Collective: every rank writes its shards and its own state (RNG, guards); then the record (sizes, CRC-32,
-    the engine's layout); ``latest`` moves only once all of that is on disk; then rank 0 deletes what ``keep`` = (keep_last,
-    keep_every) no longer keeps. Returns the tag and the deleted tags. A failure to write (full disk, lost mount)
-    raises CheckpointWriteError naming the previous checkpoint; the failing rank exits and the launcher ends the job,
-    so no rank waits forever at the barrier."""
-    directory = Path(directory)
-    tag = tag_for_step(step)
-    previous = read_latest(directory)
+    """Collective: one checkpoint written and committed before returning (the snapshot engine in "sync" mode).
+    Returns the tag and the tags deleted by ``keep`` = (keep_last, keep_every)."""
+    checkpointer = Checkpointer(engine, directory, "sync", keep)
     try:
-        engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
-        torch.save({"rng": rng_state(engine.module.tensor_parallel_rng), **(rank_state or {})},
-                   rank_state_file(directory / tag, dist.get_rank()))
-        if before_commit:
-            before_commit()
-        dist.barrier()
-        write_record(directory, tag, Layout.of_engine(engine))
-    except OSError as error:
-        raise CheckpointWriteError(
-            f"rank {dist.get_rank()} could not write checkpoint {directory / tag}: {error.strerror or error}. "
-            f"{LATEST} still names {previous or 'no checkpoint'}; free space or fix the mount, then relaunch to resume "
-            f"from it (the partial {tag} directory is overwritten by the next save of that step)") from error
-    deleted = []
-    if dist.get_rank() == 0:
-        write_latest(directory, tag)
-        deleted = prune(directory, *keep)
-    dist.barrier()
-    return tag, deleted
+        return checkpointer.save(step, client_state, rank_state, before_commit)[-1]
+    finally:
+        checkpointer.close()
 
 
 def load_weights(engine: Any, directory: str | Path) -> int:

@@ -130,6 +130,10 @@ class TrainingConfig:
     """Checkpoint directory; the run resumes from its latest complete checkpoint by itself."""
     save_interval: int = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT)."""
+    checkpoint_mode: str = "async"
+    """"async": a checkpoint stops training only while the state is copied to host memory, a background writer
+    writes it, and ``latest`` moves once every rank's files are on disk (training/checkpoint.py); it needs host
+    memory for one copy of what the rank writes. "sync": the same files, written before training continues."""
     keep_last: int | None = None
     """Keep only the newest N complete checkpoints (older ones are deleted by rank 0 once the new ``latest`` is
     committed). None: delete nothing."""
@@ -185,6 +189,8 @@ class TrainingConfig:
         for name in ("eval_interval", "eval_iters", "save_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_mode not in ("async", "sync"):
+            raise ValueError(f"training.checkpoint_mode must be \"async\" or \"sync\", got {self.checkpoint_mode!r}")
         if self.save_interval and not self.save:
             raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
         if not 0.0 <= self.noise_scale_beta < 1.0:

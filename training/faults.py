@@ -5,14 +5,16 @@
                                     vocabulary (rare tokens the model has learnt to expect little): a real loss
                                     spike, bound to the data (a rollback that skips those samples escapes it)
     {"kill_in_checkpoint": 8}       global rank 1 is SIGKILLed after writing its part of checkpoint 8, before `latest`
-    {"checkpoint_oserror": 8}       global rank 0 fails writing checkpoint 8 with ENOSPC ("no space left on device")
+    {"checkpoint_oserror": 8}       global rank 0's checkpoint writer fails writing checkpoint 8 with ENOSPC ("no
+                                    space left on device"), as a full disk fails it
+    {"writer_delay_s": 2.0}         every rank's checkpoint writer waits this long before each file: the
+                                    checkpoint stays in flight over the next steps
 
 Steps are 1-based optimizer steps, as logged.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -30,6 +32,7 @@ class FaultPlan:
     garbage_samples: list[int] = field(default_factory=list)
     kill_in_checkpoint: int | None = None
     checkpoint_oserror: int | None = None
+    writer_delay_s: float = 0.0
 
     @classmethod
     def from_environment(cls) -> FaultPlan:
@@ -40,8 +43,6 @@ class FaultPlan:
         """Called by every rank after writing its checkpoint files, before `latest` moves."""
         if self.kill_in_checkpoint == step and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.checkpoint_oserror == step and rank == 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class FaultyLoader:

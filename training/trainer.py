@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model.checkpoint_files import tag_for_step
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
 from model.gpt import universal_checkpoint_info
 from model.parallel import ParallelContext, device
@@ -101,6 +102,7 @@ class Trainer:
         self.noise_scale_schedule = config.noise_scale_schedule(ctx.data_parallel_size)
         self.faults = FaultPlan.from_environment()
         self.tasks = TaskEvaluation(config, engine, ctx, self.logger) if config.training.eval_tasks else None
+        self.checkpointer = self._checkpointer() if config.training.save else None
         self.spike_guard = SpikeGuard(config.training.spike_guard_config())
         if self.spike_guard.config.enabled:  # it reads the step's loss (one host sync per step): only when asked
             attach_spike_guard(engine, self.spike_guard)
@@ -117,6 +119,8 @@ class Trainer:
                 if not skipped:
                     self.state.consecutive_skips = 0
                 status = self._agree_on_status(stop)
+                if self.checkpointer is not None:
+                    self._committed(self.checkpointer.poll())  # the checkpoint in flight, once every writer is done
                 window.add(self.state, flops_per_iteration(self.config.model, self.state.global_batch,
                                                            self.ctx.tensor_parallel_size,
                                                            pipeline_parallel_size=self.ctx.pipeline_parallel_size))
@@ -135,6 +139,7 @@ class Trainer:
                 if status.stop_requested or self._due(self.config.training.save_interval):
                     self.save()
                 if status.stop_requested:
+                    self.finish_checkpoints()
                     self.logger.info(f"stop requested by a signal: checkpoint written at step {self.state.step}")
                     return self.state
             if not self._due(self.config.training.eval_interval):  # the last step was not evaluated yet
@@ -142,9 +147,12 @@ class Trainer:
             if self.tasks is not None and not self._due(self.config.training.eval_tasks_interval):
                 self.tasks.run(self.state.step, self.state.consumed_tokens)
             self.save()
+            self.finish_checkpoints()
             return self.state
         finally:
             stop.restore()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
             self.logger.close()
 
     def _loader(self):
@@ -255,24 +263,44 @@ class Trainer:
         return loss
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
+    def _checkpointer(self) -> checkpoint.Checkpointer:
+        training, rank = self.config.training, dist.get_rank()
+        fail_on = tag_for_step(self.faults.checkpoint_oserror) if self.faults.checkpoint_oserror and rank == 0 else None
+        return checkpoint.Checkpointer(self.engine, training.save, training.checkpoint_mode,
+                                       (training.keep_last, training.keep_every), self.faults.writer_delay_s, fail_on)
+
     def save(self) -> None:
-        """Checkpoint the current step, once: the end of the run does not write again the step an interval wrote."""
-        directory = self.config.training.save
-        if not directory or self.state.step == self.saved_step:
+        """Checkpoint the current step, once: the end of the run does not write again the step an interval wrote.
+        In "async" mode this returns once the state is in host memory; the commit follows (``_committed``)."""
+        if self.checkpointer is None or self.state.step == self.saved_step:
             return
-        training = self.config.training
-        tag, deleted = checkpoint.save_checkpoint(
-            self.engine, directory, self.state.step,
+        committed = self.checkpointer.save(
+            self.state.step,
             client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
                           "noise_scale": self.noise_scale.state_dict(),
                           "noise_scale_schedule": self.noise_scale_schedule.state_dict()
                           if self.noise_scale_schedule is not None else None,
                           "universal_checkpoint_info": universal_checkpoint_info(self.config.model)},
             rank_state={"spike_guard": self.spike_guard.state_dict()},
-            before_commit=lambda: self.faults.before_checkpoint_commit(self.state.step, dist.get_rank()),
-            keep=(training.keep_last, training.keep_every))
+            before_commit=lambda step=self.state.step: self.faults.before_checkpoint_commit(step, dist.get_rank()))
         self.saved_step = self.state.step
-        self.logger.info(f"saved checkpoint {Path(directory) / tag}")
+        for entry in committed:
+            self._committed(entry)
+        if self.checkpointer.mode == "async":
+            self.logger.info(f"checkpoint {tag_for_step(self.state.step)}: in host memory after "
+                             f"{self.checkpointer.files.blocked_s:.2f} s, being written in the background")
+
+    def finish_checkpoints(self) -> None:
+        """Wait for the checkpoint in flight and commit it (the end, a signal, a rollback)."""
+        if self.checkpointer is not None:
+            self._committed(self.checkpointer.wait())
+
+    def _committed(self, committed: tuple[str, list[str]] | None) -> None:
+        if committed is None:
+            return
+        tag, deleted = committed
+        training = self.config.training
+        self.logger.info(f"saved checkpoint {Path(training.save) / tag}")
         if deleted:
             self.logger.info(f"deleted checkpoint(s) {', '.join(deleted)} (training.keep_last = {training.keep_last}, "
                              f"keep_every = {training.keep_every})")
@@ -309,6 +337,7 @@ class Trainer:
         """Reload the latest checkpoint and jump the data over everything from there to the spike."""
         directory = self.config.training.save
         spiked_at = self.state
+        self.finish_checkpoints()  # a checkpoint in flight is committed first: it may be the one to go back to
         loaded = checkpoint.load_checkpoint(self.engine, directory) if directory else None
         if loaded is None:
             raise TrainingStopped(f"a loss spike at step {spiked_at.step} asked for a rollback, but there is no "
