@@ -3,7 +3,7 @@ export writes.
 
 An HF config.json is read with the transformers config class of its architecture (its defaults for keys an older file
 lacks), then checked: an option this project's GPT does not have (a sliding window shorter than the context, a
-rope_scaling other than llama3, a free head_dim, ...) is refused naming the key. ``model_fields_from_hf`` gives the
+rope_scaling other than llama3, attention biases on some projections only, ...) is refused naming the key. ``model_fields_from_hf`` gives the
 ModelConfig fields it fixes; ``check_model_matches`` names every field a run config's model block has otherwise.
 """
 
@@ -62,6 +62,8 @@ def _llama_family_config(config: ModelConfig, dtype: torch.dtype, architecture: 
         fields.update(attention_bias=config.bias == "all", mlp_bias=config.bias == "all")
     elif architecture.model_type == "mistral":
         fields.update(sliding_window=None)
+    elif architecture.model_type == "qwen3":  # q_norm / k_norm always there, no bias
+        fields.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     else:  # qwen2: the q, k, v biases are always there; no sliding window
         fields.update(use_sliding_window=False, sliding_window=None)
     return AutoConfig.for_model(architecture.model_type, **fields)
@@ -87,7 +89,7 @@ def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
 
 
 def read_hf_config(hf_dir: str | Path):
-    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) of an HF model directory;
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) of an HF model directory;
     ValueError for any other architecture or an option this project's GPT does not have, naming the key."""
     path = Path(hf_dir) / "config.json"
     try:
@@ -130,7 +132,7 @@ def _hf_rope(config) -> dict[str, Any]:
 
 def _sliding_window(config) -> int | None:
     """The window that config attends within, None when it attends to the whole context."""
-    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None)
 
@@ -147,15 +149,17 @@ def _check_llama_family_options(path: Path, config, architecture: Architecture) 
         raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported: only \"llama3\" scaling (Llama "
                          f"3.1+) or none")
     missing = [key for key in LLAMA3_SCALING_KEYS if kind == "llama3" and key not in _hf_rope(config)]
-    head_dim = getattr(config, "head_dim", None)
+    head_dim, default_head_dim = getattr(config, "head_dim", None), config.hidden_size // config.num_attention_heads
     attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
     unsupported = {
         "rope_scaling": (bool(missing), f"lacks {missing}"),
         "hidden_act": (config.hidden_act != "silu", "only silu (SwiGLU) exists here"),
-        "head_dim": (head_dim not in (None, config.hidden_size // config.num_attention_heads),
-                     f"must be hidden_size / num_attention_heads = {config.hidden_size // config.num_attention_heads}"),
+        "head_dim": (architecture.model_type == "qwen2" and head_dim not in (None, default_head_dim),
+                     f"a Qwen2 head is hidden_size / num_attention_heads = {default_head_dim} wide here"),
         "attention_bias": (attention_bias != mlp_bias, f"with mlp_bias = {mlp_bias}: biases here are on every "
                                                        f"linear layer, on none, or on q, k and v only (Qwen2)")}
+    if architecture.model_type == "qwen3":  # Qwen3's attention_bias puts a bias on q, k, v and o, its MLP none
+        unsupported["attention_bias"] = (attention_bias, "Qwen3 models convert without attention biases only")
     for key, (bad, why) in unsupported.items():
         if bad:
             raise ValueError(f"{path}: {key} = {getattr(config, key, None)!r} has no equivalent in this project's "
@@ -178,7 +182,7 @@ def model_fields_from_hf(config) -> dict[str, Any]:
                 "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
                 "activation": ACTIVATION_FROM_HF[config.activation_function], "position_embedding": "learned",
                 "norm": "layernorm", "mlp": "gelu", "num_key_value_heads": config.n_head, "tie_word_embeddings": True,
-                "bias": "all"}
+                "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False}
     rope = _hf_rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in LLAMA3_SCALING_KEYS}}
@@ -186,13 +190,15 @@ def model_fields_from_hf(config) -> dict[str, Any]:
         bias = "qkv"
     else:
         bias = "all" if getattr(config, "attention_bias", False) else "none"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
             "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
             "ffn_hidden_size": config.intermediate_size, "layernorm_epsilon": config.rms_norm_eps,
             "position_embedding": "rope", "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
-            "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias}
+            "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias,
+            "head_dim": head_dim, "qk_layernorm": config.model_type == "qwen3"}
 
 
 def check_model_matches(model: ModelConfig, hf, config_source: str, hf_dir: str | Path) -> None:

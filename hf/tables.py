@@ -7,6 +7,7 @@ Four architectures, each the same function as this project's GPT with the matchi
                          heads, tied or not, bias "none" (or "all": attention_bias and mlp_bias)
     MistralForCausalLM   as Llama, bias "none"; a sliding window shorter than the context is refused
     Qwen2ForCausalLM     as Llama, bias "qkv" (q, k and v projections only); no sliding window
+    Qwen3ForCausalLM     as Llama, bias "none", qk_layernorm (per-head RMSNorm q_norm / k_norm), head_dim free
 
 Each architecture is one table below (``ARCHITECTURES``): our (layer, tensor) -> the HF name(s), ``{}`` standing for
 the block index, and the name of the transform (hf/transforms.py) that turns one into the other. ``layer_maps`` lists
@@ -36,7 +37,9 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("block", "ln1.bias"): (("h",), None),
     ("block", "attention.qkv.weight"): (("qkv", "h"), 0),
     ("block", "attention.qkv.bias"): (("qkv",), 0),
-    ("block", "attention.dense.weight"): (("h", "h"), 1),
+    ("block", "attention.q_norm.weight"): (("d",), None),
+    ("block", "attention.k_norm.weight"): (("d",), None),
+    ("block", "attention.dense.weight"): (("h", "attention"), 1),
     ("block", "attention.dense.bias"): (("h",), None),
     ("block", "ln2.weight"): (("h",), None),
     ("block", "ln2.bias"): (("h",), None),
@@ -96,6 +99,9 @@ LLAMA_TENSORS = {  # LlamaForCausalLM; MistralForCausalLM and Qwen2ForCausalLM n
     ("final_norm", "weight"): ("model.norm.weight", "copy"),
     ("head", "weight"): ("lm_head.weight", "vocab"),
 }
+QWEN3_TENSORS = {**LLAMA_TENSORS,  # Qwen3ForCausalLM: Llama's names, and a norm on each query and key head
+                 ("block", "attention.q_norm.weight"): (_ATTENTION + "q_norm.weight", "copy"),
+                 ("block", "attention.k_norm.weight"): (_ATTENTION + "k_norm.weight", "copy")}
 
 
 @dataclass(frozen=True)
@@ -116,18 +122,25 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture("LlamaForCausalLM", "llama", "model.", LLAMA_TENSORS),
     Architecture("MistralForCausalLM", "mistral", "model.", LLAMA_TENSORS),
     Architecture("Qwen2ForCausalLM", "qwen2", "model.", LLAMA_TENSORS),
+    Architecture("Qwen3ForCausalLM", "qwen3", "model.", QWEN3_TENSORS),
 )}
 
 
 def compatible_architectures(config: ModelConfig) -> list[Architecture]:
-    """The HF architectures that compute this model's function, preferred first (none for a mixed shape)."""
-    if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias) == (
-            "learned", "layernorm", "gelu", True, "all") and config.num_key_value_heads == config.num_attention_heads:
+    """The HF architectures that compute this model's function, preferred first (none for a mixed shape).
+
+    GPT-2 and Qwen2 have no head_dim of their own (hidden_size / heads); only Qwen3 has the q/k norms."""
+    default_head_dim = config.head_dim * config.num_attention_heads == config.hidden_size
+    if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias,
+            config.qk_layernorm) == ("learned", "layernorm", "gelu", True, "all", False) and (
+            config.num_key_value_heads == config.num_attention_heads and default_head_dim):
         return [ARCHITECTURES["GPT2LMHeadModel"]]
     if (config.position_embedding, config.norm, config.mlp) != ("rope", "rmsnorm", "swiglu"):
         return []
+    if config.qk_layernorm:
+        return [ARCHITECTURES["Qwen3ForCausalLM"]] if config.bias == "none" else []
     names = {"none": ["LlamaForCausalLM", "MistralForCausalLM"], "all": ["LlamaForCausalLM"],
-             "qkv": ["Qwen2ForCausalLM"]}[config.bias]
+             "qkv": ["Qwen2ForCausalLM"] if default_head_dim else []}[config.bias]
     return [ARCHITECTURES[name] for name in names]
 
 
@@ -138,10 +151,10 @@ def resolve_architecture(config: ModelConfig, name: str | None = None) -> Archit
         raise ValueError(f"architecture {name!r} is not supported: choose one of {sorted(ARCHITECTURES)}")
     if not fits:
         fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
-                                                        "bias", "num_key_value_heads")}
+                                                        "bias", "num_key_value_heads", "head_dim", "qk_layernorm")}
         raise ValueError(f"this model's shape ({', '.join(f'model.{k} = {v!r}' for k, v in fields.items())}) is no "
                          f"Hugging Face architecture converted here: GPT-2's is learned/layernorm/gelu/tied/bias all, "
-                         f"the Llama family's rope/rmsnorm/swiglu")
+                         f"the Llama family's rope/rmsnorm/swiglu (Qwen3's with qk_layernorm and bias none)")
     if name is None:
         return fits[0]
     if ARCHITECTURES[name] not in fits:
@@ -157,7 +170,8 @@ class TensorMap(NamedTuple):
     hf: str | tuple[str, ...]
     """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up)."""
     dims: tuple[str, ...]
-    """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, positions, padded_vocab)."""
+    """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, d, attention, positions,
+    padded_vocab)."""
     partition_dim: int | None = None
     """Dimension split over TP ranks here; None: replicated on every TP rank."""
     transposed: bool = False
@@ -193,6 +207,7 @@ def _our_keys(config: ModelConfig, kind: str) -> list[str]:
     first, second = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
     keys = [f"ln1.{p}" for p in norm] + ["attention.qkv.weight"]
     keys += ["attention.qkv.bias"] if config.qkv_has_bias else []
+    keys += [f"attention.{which}_norm.{p}" for which in "qk" for p in norm] if config.qk_layernorm else []
     keys += ["attention.dense.weight"] + (["attention.dense.bias"] if config.other_linears_have_bias else [])
     keys += [f"ln2.{p}" for p in norm]
     for linear in (first, second):
@@ -235,7 +250,8 @@ def layer_maps(config: ModelConfig, architecture: Architecture | None = None) ->
 
 def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int]:
     f = config.ffn_hidden_size
-    return {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f,
+    return {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
+            "attention": config.attention_size,
             "positions": config.max_position_embeddings, "padded_vocab": config.padded_vocab_size(tensor_parallel_size)}
 
 

@@ -54,7 +54,7 @@ class ModelConfig:
     hidden_size: int
     """Width h of the residual stream."""
     num_attention_heads: int
-    """Attention heads; hidden_size / heads is the head dimension. Must divide by the tensor-parallel size."""
+    """Attention heads. Must divide by the tensor-parallel size."""
     seq_length: int
     """Tokens per training sample (each sample holds seq_length + 1 tokens: inputs and shifted labels)."""
     max_position_embeddings: int | None = None
@@ -108,6 +108,14 @@ class ModelConfig:
     bias: str = "all"
     """Which linear layers have a bias: "all" (GPT-2), "none" (Llama, Mistral) or "qkv" (Qwen2: the QKV projection
     only). Norms are not linear layers: LayerNorm always has its bias, RMSNorm never."""
+    head_dim: int | None = None
+    """Width d of each attention head; defaults to hidden_size / num_attention_heads. Set on its own it frees the
+    attention width (heads x d) from h (Qwen3-0.6B: h 1024, 16 heads of 128): QKV is h -> (heads + 2 kv heads) d and
+    the output projection heads d -> h."""
+    qk_layernorm: bool = False
+    """A norm on each query and key head before the dot product (and before RoPE), of width head_dim, its weights
+    shared by the heads: "layernorm" or "rmsnorm" following ``norm`` (Qwen3's q_norm / k_norm; Wortsman et al. 2023:
+    it bounds the attention logits, |q.k| / sqrt(d) <= sqrt(d) with unit gains)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -124,9 +132,16 @@ class ModelConfig:
         _require(self.max_position_embeddings >= self.seq_length,
                  f"model.seq_length ({self.seq_length}) is longer than model.max_position_embeddings "
                  f"({self.max_position_embeddings}): raise max_position_embeddings or shorten seq_length")
-        _require(self.hidden_size % self.num_attention_heads == 0,
-                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_attention_heads "
-                 f"({self.num_attention_heads}): choose heads that divide the hidden size")
+        if self.head_dim is None:
+            _require(self.hidden_size % self.num_attention_heads == 0,
+                     f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_attention_heads "
+                     f"({self.num_attention_heads}): choose heads that divide the hidden size, or set model.head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _require(isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool) and self.head_dim > 0,
+                 f"model.head_dim must be a positive integer (or null for hidden_size / num_attention_heads), got "
+                 f"{self.head_dim!r}")
+        _require(isinstance(self.qk_layernorm, bool),
+                 f"model.qk_layernorm must be true or false, got {self.qk_layernorm!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1), got {value}")
@@ -163,8 +178,8 @@ class ModelConfig:
         _require(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
         if self.position_embedding == "rope":
             _require(self.head_dim % 2 == 0,
-                     f"model.position_embedding \"rope\" needs an even head dimension, got hidden_size / "
-                     f"num_attention_heads = {self.head_dim}: choose another head count")
+                     f"model.position_embedding \"rope\" needs an even head dimension, got model.head_dim = "
+                     f"{self.head_dim}: choose another head count or head_dim")
         if self.rope_scaling is not None:
             _require(self.position_embedding == "rope",
                      f"model.rope_scaling is set but model.position_embedding is {self.position_embedding!r}: "
@@ -190,8 +205,9 @@ class ModelConfig:
                  f"low_freq_factor ({scaling['low_freq_factor']}): the llama3 rule interpolates between them")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def attention_size(self) -> int:
+        """Width of the attention's output before its projection, heads x head_dim (h unless head_dim is free)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def queries_per_key_value_head(self) -> int:
@@ -344,6 +360,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": dict(_LLAMA, num_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
                        ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, max_position_embeddings=131072,
                        rope_theta=1000000.0, layernorm_epsilon=1e-6, bias="qkv"),
+    # Qwen3-0.6B: 28 layers, h 1024, 16 heads of head_dim 128 (2048 wide, not h), 8 KV heads, ffn 3072, vocab 151936,
+    # theta 1e6, rms eps 1e-6, per-head RMSNorm on q and k, no bias, tied, max positions 40960 (from memory).
+    "qwen3-0.6b": dict(_LLAMA, num_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, qk_layernorm=True, ffn_hidden_size=3072, vocab_size=151936, seq_length=4096,
+                       max_position_embeddings=40960, rope_theta=1000000.0, layernorm_epsilon=1e-6,
+                       tie_word_embeddings=True),
     # A Llama shape for CPU tests and demos: GPT-2 vocabulary, 4 query heads per KV group, untied head.
     "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                        ffn_hidden_size=256, seq_length=64, precision="fp32"),

@@ -21,27 +21,29 @@ from model.config import ModelConfig
 def layer_forward_flops_per_token(config: ModelConfig) -> float:
     """Forward FLOPs of one transformer block per token: 2 x its matmul weights, plus the attention core.
 
-    Weights: QKV (h x (query + 2 key/value heads) x head_dim), the output projection (h x h), the MLP (2 matrices of
-    h x ffn for GeLU, 3 for SwiGLU). The core, QK^T and the weighted sum of V, is 4 s h per token for every query head
-    (grouped-query attention repeats K and V; causality is not discounted, as in Narayanan et al.). For the GPT
-    shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et al. 2021.
+    Weights: QKV (h x (query + 2 key/value heads) x head_dim), the output projection (heads x head_dim x h), the MLP
+    (2 matrices of h x ffn for GeLU, 3 for SwiGLU). The core, QK^T and the weighted sum of V, is 4 s a per token with
+    a = heads x head_dim (h unless model.head_dim is set apart), for every query head (grouped-query attention repeats
+    K and V; causality is not discounted, as in Narayanan et al.). The per-head q/k norms (model.qk_layernorm) are
+    elementwise, not counted. For the GPT shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et
+    al. 2021.
     """
-    h = config.hidden_size
-    weights = h * config.qkv_size + h * h + (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
-    return 2.0 * weights + 4.0 * config.seq_length * h
+    h, attention = config.hidden_size, config.attention_size
+    weights = h * config.qkv_size + attention * h + (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    return 2.0 * weights + 4.0 * config.seq_length * attention
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def recompute_flops_per_token(config: ModelConfig, recompute: str) -> float:
-    """Forward FLOPs one block recomputes in its backward, per token: all of them ("full"), the attention core's 4 s h
+    """Forward FLOPs one block recomputes in its backward, per token: all of them ("full"), the attention core's 4 s a
     ("selective": QK^T and the weighted sum of V, the s-dependent term of layer_forward_flops_per_token), or none."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if recompute == "full":
         return layer_forward_flops_per_token(config)
-    return 4.0 * config.seq_length * config.hidden_size if recompute == "selective" else 0.0
+    return 4.0 * config.seq_length * config.attention_size if recompute == "selective" else 0.0
 
 
 def recomputed_blocks(config: ModelConfig, pipeline_parallel_size: int | None, recompute: str | None = None) -> int:

@@ -57,9 +57,10 @@ from model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    sequence_parallel_parameters,
-    vocab_parallel_cross_entropy,
+    mark_shared_by_heads,
+    partial_gradient_parameters,
 )
+from model.loss import GPTLoss, gpt_loss
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
@@ -207,13 +208,20 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"),
                                         bias=config.qkv_has_bias)
-        self.dense = RowParallelLinear(config.num_attention_heads * self.head_dim, h, ctx,
+        self.dense = RowParallelLinear(config.attention_size, h, ctx,
                                        init_std=config.output_layer_init_std,
                                        seed=parameter_seed(seed, layer_number, "attention.dense"),
                                        bias=config.other_linears_have_bias)
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
                        if config.position_embedding == "rope" else None)
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:  # per head, weights shared by the heads: partial gradients over TP
+            self.q_norm, self.k_norm = head_norm(config), head_norm(config)
+            for parameter in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                mark_shared_by_heads(parameter)
         self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
+        self.layer_number = layer_number
+        self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
@@ -223,6 +231,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.permute(0, 2, 3, 1, 4)  # (b, g/R, q + 2, s, d)
         q = qkv[:, :, :per_group].flatten(1, 2)  # (b, nh/R, s, d), query head j in group j // q
         k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]  # each (b, g/R, s, d)
+        if self.q_norm is not None:  # on each head's d features, before RoPE (Qwen3's order)
+            q, k = self.q_norm(q), self.k_norm(k)
         past = 0 if self.kv_cache is None else self.kv_cache.length
         if self.rotary is not None:
             q, k = self.rotary(q, k, offset=past)
@@ -232,7 +242,7 @@ class SelfAttention(nn.Module):
             context = checkpoint(self.rng, self.core, q, k, v)
         else:
             context = self.core(q, k, v)  # (b, nh/R, s, d)
-        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/R)
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
         return self.dense(context)  # (b, s, h)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -245,6 +255,8 @@ class SelfAttention(nn.Module):
         mask = None
         if keys > queries > 1:
             mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
+        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
+            self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k))
         with self.rng.fork(enabled=dropout > 0):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=queries == keys,
                                                   dropout_p=dropout,
@@ -309,6 +321,13 @@ def _rms_norm(config: ModelConfig) -> nn.Module:
 NORMS = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}  # the blocks' two norms (replicated on every TP rank)
 
 
+def head_norm(config: ModelConfig) -> nn.Module:
+    """model.qk_layernorm's norm of one query or key head: config.norm's kind, head_dim wide."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.head_dim, eps=config.layernorm_epsilon)
+    return RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm.
 
@@ -354,6 +373,32 @@ class FinalRMSNorm(RMSNorm):
 
 
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
+
+
+def largest_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The largest attention logit q.k / sqrt(d) over the causal pairs (query i, key j <= i), fp32, on the device:
+    q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g query heads per key head (training only: no cache)."""
+    q, k = q.detach().float(), k.detach().float()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head j reads key head j // (nh/g)
+    scores = q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5  # (b, nh/R, s, s)
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).amax()
+
+
+@contextmanager
+def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside, every attention of ``module`` keeps the largest logit of its forwards; on exit the dict maps each
+    block's layer_number (1 .. L) to it (a device scalar: read on the host when it suits the caller)."""
+    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    found: dict[int, torch.Tensor] = {}
+    for attention in attentions:
+        attention.max_logit = torch.tensor(float("-inf"), device=attention.dense.weight.device)
+    try:
+        yield found
+    finally:
+        for attention in attentions:
+            found[attention.layer_number] = attention.max_logit
+            attention.max_logit = None
 
 
 @contextmanager
@@ -416,6 +461,7 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     replicated = [
         *([r"1\.weight$"] if config.position_embedding == "learned" else []),  # positions
         block + rf"ln[12]\.{norm_parameters}$",
+        *([block + rf"attention\.[qk]_norm\.{norm_parameters}$"] if config.qk_layernorm else []),
         # row-parallel biases are added once, after the all-reduce
         *([block + r"attention\.dense\.bias$", block + rf"mlp\.{mlp_out}\.bias$"]
           if config.other_linears_have_bias else []),
@@ -435,16 +481,8 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     return info
 
 
-def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Masked mean of the vocab-parallel cross-entropy over the micro-batch's tokens."""
-    targets, loss_mask = labels  # (b, s), (b, s)
-    vocab_start = ctx.tensor_parallel_rank * logits.shape[-1]
-    losses = vocab_parallel_cross_entropy(logits, targets, ctx.tensor_parallel_group, vocab_start)  # (b, s) fp32
-    loss_mask = loss_mask.float()
-    return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-
-
-def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str):
+def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str,
+                         z_loss: float = 0.0):
     """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it).
 
     Its ``tensor_parallel_rng`` is the stage's tensor-parallel stream, which checkpoints save and restore.
@@ -452,25 +490,30 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
     gradients are summed over the TP group once per step, where DeepSpeed sums the tied embedding's: DeepSpeed's
     pipeline engine all-reduces every (parameter, group) pair that ``get_tied_weights_and_groups`` lists (the fp32
     accumulation buffer under BF16_Optimizer, ``.grad`` otherwise) after the last backward of the step, before the
-    data-parallel reduction, the gradient norm and the optimizer."""
+    data-parallel reduction, the gradient norm and the optimizer. The per-head q/k norms (model.qk_layernorm) are
+    reduced the same way at any TP > 1: each rank's heads give a part of their gradient
+    (model/layers.py, partial_gradient_parameters). Its ``loss_fn`` is a GPTLoss (model/loss.py) with ``z_loss``."""
     from deepspeed.pipe import PipelineModule
 
     class GPTPipelineModule(PipelineModule):
         def get_tied_weights_and_groups(self):
             pairs = super().get_tied_weights_and_groups()
-            if ctx.sequence_parallel:
-                pairs += [(p, ctx.tensor_parallel_group) for p in sequence_parallel_parameters(self)]
+            if ctx.tensor_parallel_size > 1:
+                pairs += [(p, ctx.tensor_parallel_group)
+                          for p in partial_gradient_parameters(self, ctx.sequence_parallel)]
             return pairs
 
     config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel)
     rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
+    objective = GPTLoss(ctx, z_loss)
     module = GPTPipelineModule(
         layers=gpt_layer_specs(config, ctx, seed, rng),
         topology=ctx.topology,
-        loss_fn=partial(gpt_loss, ctx),
+        loss_fn=objective,
         partition_method=partition_method,
     )
     module.tensor_parallel_rng = rng
+    module.objective = objective  # the loss function itself, also when a guard wraps loss_fn (training/guards.py)
     return module
 
 

@@ -28,7 +28,9 @@ Sequence parallelism (ctx.sequence_parallel, Korthikanti et al. 2022) changes on
 A replicated parameter then sees only this rank's positions, so its gradient is a partial sum over the TP ranks:
 ``sequence_parallel_parameters`` lists them (every parameter not marked tensor_model_parallel: the norms, the
 row-parallel biases, the position table) and their gradients are all-reduced over TP once per step, before the
-optimizer and its gradient norm see them (model/gpt.py, GPTPipelineModule).
+optimizer and its gradient norm see them (model/gpt.py, GPTPipelineModule). The per-head q/k norms
+(model.qk_layernorm) are replicated but see only this rank's heads: their gradients are partial sums with or without
+sequence parallelism (``partial_gradient_parameters`` lists what is reduced in each case).
 """
 
 from __future__ import annotations
@@ -59,10 +61,26 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, partition_stri
     param.partition_stride = partition_stride
 
 
+def mark_shared_by_heads(param: nn.Parameter) -> None:
+    """A replicated parameter applied to every attention head (the per-head q/k norms, model.qk_layernorm): each TP
+    rank holds some of the heads, so its gradient is a partial sum over the TP ranks, with or without sequence
+    parallelism."""
+    param.shared_by_heads = True
+
+
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     """With sequence parallelism, the parameters whose gradients are partial sums over the TP ranks: every
     trainable one that is not sharded (the module docstring)."""
     return [p for p in module.parameters() if p.requires_grad and not getattr(p, "tensor_model_parallel", False)]
+
+
+def partial_gradient_parameters(module: nn.Module, sequence_parallel: bool) -> list[nn.Parameter]:
+    """The parameters whose gradients are partial sums over the TP ranks, to be all-reduced over TP once per step:
+    with sequence parallelism every replicated one (sequence_parallel_parameters), without it those shared by the
+    heads (mark_shared_by_heads) only."""
+    if sequence_parallel:
+        return sequence_parallel_parameters(module)
+    return [p for p in module.parameters() if p.requires_grad and getattr(p, "shared_by_heads", False)]
 
 
 def all_reduce_sequence_parallel_gradients(module: nn.Module, group: Group) -> None:
@@ -336,6 +354,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start, ignore_index):
+        ctx.set_materialize_grads(False)  # log Z unused (no z-loss): its gradient is None, the backward as before
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)  # (t, V/R)
         logits_max = flat.max(dim=-1).values.float()  # (t,): the max of bf16 values is exact in bf16
@@ -359,30 +378,41 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)  # (t,)
 
         ctx.save_for_backward(logits, logits_max, sum_exp, local_labels, mine, ignored)
-        return loss.view(logits.shape[:-1])  # (b, s)
+        log_z = sum_exp.log().add_(logits_max)  # (t,): logsumexp of the whole vocabulary's logits
+        return loss.view(logits.shape[:-1]), log_z.view(logits.shape[:-1])  # (b, s) each
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_log_z):
         logits, logits_max, sum_exp, local_labels, mine, ignored = ctx.saved_tensors
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)  # (t, V/R)
+        if grad_loss is None:
+            grad_loss = torch.zeros_like(logits_max)
         scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0)  # (t,)
         grad = torch.empty_like(flat)  # (t, V/R) in the logits' dtype
         for rows in _row_chunks(flat.shape[0], vocab):
             softmax = _shifted_exp(flat[rows], logits_max[rows]).div_(sum_exp[rows].unsqueeze(-1))
-            # d loss / d logits = softmax - one_hot(label), on the rank that owns the label
-            softmax.scatter_add_(-1, local_labels[rows].unsqueeze(-1), -mine[rows].unsqueeze(-1).to(softmax.dtype))
-            grad[rows] = softmax.mul_(scale[rows].unsqueeze(-1))
+            if grad_log_z is None:
+                # d loss / d logits = softmax - one_hot(label), on the rank that owns the label
+                softmax.scatter_add_(-1, local_labels[rows].unsqueeze(-1), -mine[rows].unsqueeze(-1).to(softmax.dtype))
+                grad[rows] = softmax.mul_(scale[rows].unsqueeze(-1))
+            else:  # and d log Z / d logits = softmax
+                label_scale = (mine[rows].to(softmax.dtype) * scale[rows]).unsqueeze(-1)
+                softmax.mul_((scale[rows] + grad_log_z.reshape(-1)[rows]).unsqueeze(-1))
+                grad[rows] = softmax.scatter_add_(-1, local_labels[rows].unsqueeze(-1), -label_scale)
         return grad.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = -100, return_log_z: bool = False):
     """Per-token loss (b, s) from this rank's logits slice (b, s, V/R) starting at global id ``vocab_start``.
 
-    Equals F.cross_entropy(gathered_logits, labels, reduction="none", ignore_index=ignore_index), in fp32.
+    Equals F.cross_entropy(gathered_logits, labels, reduction="none", ignore_index=ignore_index), in fp32. With
+    ``return_log_z`` also log Z (b, s) fp32, torch.logsumexp of the gathered logits, differentiable (the z-loss):
+    the cross-entropy has it already, max + log(sum of exps), so it costs nothing more.
     """
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, ignore_index)
+    loss, log_z = _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, ignore_index)
+    return (loss, log_z) if return_log_z else loss
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, group, vocab_start: int) -> torch.Tensor:

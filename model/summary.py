@@ -48,10 +48,13 @@ def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
 
     norms 2 x (2h LayerNorm | h RMSNorm); QKV h (q + 2g) d / R (+ (q + 2g) d / R bias unless bias "none");
     attention output h q d / R (+ h bias with "all"); MLP gelu (h f + f h) / R (+ f / R + h), swiglu (2 h f + f h) / R
-    (+ 2 f / R + h), biases with "all" only. GPT-2 (q = g, q d = h, bias "all", gelu): 4h + (12 h^2 + 7h) / R + 2h.
+    (+ 2 f / R + h), biases with "all" only; qk_layernorm: 2 x (2d LayerNorm | d RMSNorm), replicated.
+    GPT-2 (q = g, q d = h, bias "all", gelu): 4h + (12 h^2 + 7h) / R + 2h.
     """
     h, f, tp, d = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size, config.head_dim
     norms = 2 * _norm_parameters(config)
+    if config.qk_layernorm:
+        norms += 2 * (2 * d if config.norm == "layernorm" else d)
     qkv = (h * config.qkv_size + (config.qkv_size if config.qkv_has_bias else 0)) // tp
     bias = config.other_linears_have_bias
     attention_out = h * config.num_attention_heads * d // tp + (h if bias else 0)
@@ -148,12 +151,16 @@ def block_matrices_line(config: ModelConfig) -> str:
     Llama form l (2 h^2 + 2 h g d + 3 h f) (query and output h^2 each, key and value h g d each, SwiGLU 3 h f)."""
     h, layers, f = config.hidden_size, config.num_layers, config.ffn_hidden_size
     gpt_shape = config.mlp == "gelu" and f == 4 * h and config.num_key_value_heads == config.num_attention_heads
-    if gpt_shape:
+    if gpt_shape and config.attention_size == h:
         return f"transformer blocks' matrices 12 l h^2 = {12 * layers * h * h:,}"
     kv = config.num_key_value_heads * config.head_dim
     mlp = (3 if config.mlp == "swiglu" else 2) * h * f
-    form = "l (2 h^2 + 2 h g d + 3 h f)" if config.mlp == "swiglu" else "l (2 h^2 + 2 h g d + 2 h f)"
-    return f"transformer blocks' matrices {form} = {layers * (2 * h * h + 2 * h * kv + mlp):,}"
+    mlp_form = "3 h f" if config.mlp == "swiglu" else "2 h f"
+    if config.attention_size == h:
+        return f"transformer blocks' matrices l (2 h^2 + 2 h g d + {mlp_form}) = {layers * (2 * h * h + 2 * h * kv + mlp):,}"
+    attention = config.attention_size  # a free head_dim: query and output h x (heads x d) each
+    return (f"transformer blocks' matrices l (2 h a d + 2 h g d + {mlp_form}), a = {config.num_attention_heads} heads "
+            f"= {layers * (2 * h * attention + 2 * h * kv + mlp):,}")
 
 
 def format_summary(config: ModelConfig, counts: list[StageCount], tensor_parallel_size: int) -> str:

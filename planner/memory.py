@@ -130,7 +130,7 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
     dtype = DTYPE_BYTES[model.precision]
     u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
-    replicated, heads = h * u, model.num_attention_heads / t
+    replicated, heads, attention = h * u, model.num_attention_heads / t, model.attention_size / t
     kv = model.num_key_value_heads * model.head_dim / t
     query_copied = model.queries_per_key_value_head > 1 or model.position_embedding == "rope"
     # The SDPA output takes the query's memory layout. The query is a view of the QKV output, laid out (b, s, a, d),
@@ -144,19 +144,23 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
         StoredTensor("QKV output (q, k, v are views of it)", dtype * model.qkv_size / t, STORING_MODES),
     ]
     if query_copied:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
-        rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * h / t, STORING_MODES))
+        rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * attention, STORING_MODES))
     if model.position_embedding == "rope":  # the rotated keys; x cos and rotate_half(x) sin keep cos and sin only
         rows += [StoredTensor("rotated keys", dtype * kv, STORING_MODES),
                  StoredTensor("RoPE cos and sin, (s, d) each per block", 2 * dtype * model.head_dim / micro_batch,
                               STORING_MODES)]
-    rows.append(StoredTensor("attention output, the dense layer's input", dtype * h / t, STORING_MODES))
+    if model.qk_layernorm:  # the normalised q and k, and each head's statistics (fp32), like a norm's rows
+        stats = (2 if model.norm == "layernorm" else 1) * 4 * (heads + model.num_key_value_heads / t)
+        rows.append(StoredTensor("q/k norms (qk_layernorm): outputs and per-head statistics", dtype * (attention + kv)
+                                 + stats, STORING_MODES))
+    rows.append(StoredTensor("attention output, the dense layer's input", dtype * attention, STORING_MODES))
     if attention_scores_stored:  # Korthikanti et al.: softmax output, dropout mask, dropout output (5 a s^2 b / t)
         rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * dtype / 2,
                                  ("none",)))
     else:  # the fused kernel keeps its output and one fp32 statistic per row and head
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
         if query_contiguous:  # its output is then (b, a, s, d) too: the dense input is a transposed copy
-            rows.append(StoredTensor("SDPA output", dtype * h / t, ("none",)))
+            rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
     if model.mlp == "swiglu":
         rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
     else:

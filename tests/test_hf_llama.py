@@ -1,4 +1,4 @@
-"""Hugging Face interop for the Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+"""Hugging Face interop for the Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
 
 Each architecture as a random HF model of a non-trivial shape (4 layers, hidden 128, 8 query heads in 2 key/value
 groups of 4, head_dim 16, ffn 256, GPT-2's 50,257-token vocabulary so that the shipped tokenizer fits), every tensor
@@ -9,6 +9,8 @@ tokenizer beside it:
             wavelengths 6 .. 6e5 fall in all three bands of the rule)
     Mistral grouped KV heads, untied head, no sliding window, theta 1e6
     Qwen2   grouped KV heads, q/k/v biases, tied head, rms eps 1e-6
+    Qwen3   grouped KV heads, per-head RMSNorm q_norm / k_norm (model.qk_layernorm), head_dim 24 while
+            hidden_size / heads is 16 (a free head_dim: QKV 128 -> 12 x 24, o_proj 192 -> 128), untied head
 
 - Imported by tools/convert_from_hf.py at TP 2 x PP 2 (the run config's model block is model_fields_from_hf of the
   HF config), loaded by the DeepSpeed pipeline engine on 4 gloo processes (a fresh init with another seed first):
@@ -58,6 +60,8 @@ FAMILIES = {
     "MistralForCausalLM": dict(tie_word_embeddings=False, sliding_window=None, rms_norm_eps=1e-5,
                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "Qwen3ForCausalLM": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, head_dim=24, attention_bias=False,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 

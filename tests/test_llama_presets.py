@@ -16,18 +16,21 @@ from model.summary import analytic_total_parameters, count_stages, total_from_st
 
 # The published totals, for the two best-known shapes (LLaMA-2-7B "6.74B", Llama-3-8B "8.03B").
 PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+HEAD_DIM_APART = {"qwen3-0.6b"}  # head_dim is not hidden_size / heads: transformers must be told
 
 
 def hf_config(name: str, config: ModelConfig):
     """The transformers config of the same numbers (the class of the family each preset comes from)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"mistral-7b": MistralConfig, "qwen2.5-7b": Qwen2Config}.get(name, LlamaConfig)
+    cls = {"mistral-7b": MistralConfig, "qwen2.5-7b": Qwen2Config, "qwen3-0.6b": Qwen3Config}.get(name, LlamaConfig)
     kwargs = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                   intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
                   num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
                   max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
                   rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings)
+    if name in HEAD_DIM_APART:
+        kwargs["head_dim"] = config.head_dim
     return cls(**kwargs)
 
 
@@ -39,7 +42,7 @@ def hf_parameter_count(name: str, config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["llama2-7b", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"])
+@pytest.mark.parametrize("name", ["llama2-7b", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b"])
 def test_preset_has_the_parameters_of_transformers(name):
     config = preset(name, make_vocab_size_divisible_by=1)  # the tokenizer's vocabulary, unpadded
     counts = count_stages(config, tensor_parallel_size=1, pipeline_parallel_size=1)

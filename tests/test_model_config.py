@@ -188,9 +188,14 @@ LLAMA_FIELDS = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie
                                                    "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
      None, "model.rope_scaling.high_freq_factor (1.0) must be greater than low_freq_factor (4.0)"),
     (dict(position_embedding="rope", hidden_size=60, num_attention_heads=4), None,
-     "model.position_embedding \"rope\" needs an even head dimension, got hidden_size / num_attention_heads = 15"),
+     "model.position_embedding \"rope\" needs an even head dimension, got model.head_dim = 15"),
     (dict(rope_theta=0.0), None, "model.rope_theta must be positive"),
     (dict(tie_word_embeddings="no"), None, "model.tie_word_embeddings must be true or false"),
+    (dict(hidden_size=60, num_attention_heads=8), None,
+     "model.hidden_size (60) is not divisible by model.num_attention_heads (8): choose heads that divide the hidden "
+     "size, or set model.head_dim"),
+    (dict(head_dim=0), None, "model.head_dim must be a positive integer"),
+    (dict(qk_layernorm="yes"), None, "model.qk_layernorm must be true or false"),
 ])
 def test_invalid_llama_options_name_the_field(fields, parallel, message):
     with pytest.raises(ValueError, match=re.escape(message)):

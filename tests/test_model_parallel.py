@@ -76,10 +76,11 @@ def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, prec
     for variant in variants:
         fields = dict(variant)
         sequence_parallel = fields.pop("sequence_parallel", False)
+        z_loss = fields.pop("z_loss", 0.0)
         config = model_config(precision=precision, **fields)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel)
-        engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED)
+        engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED, z_loss)
         blocks = [module for module in engine.module.modules() if isinstance(module, TransformerLayer)]
         sent = []  # the shape of what this stage's last block outputs: on stage 0, the tensor sent to stage 1
         blocks[-1].register_forward_hook(lambda module, inputs, output, sent=sent: sent.append(tuple(output.shape)))
@@ -109,17 +110,21 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float) -> float:
     return norm
 
 
-def train_reference(config=None) -> dict:
-    """Plain PyTorch, one process, the unsplit model (model_config() unless another is given): the ground truth."""
+def train_reference(config=None, z_loss: float = 0.0) -> dict:
+    """Plain PyTorch, one process, the unsplit model (model_config() unless another is given): the ground truth.
+    ``z_loss``: the objective's z-loss coefficient (model/loss.py)."""
+    from model.loss import GPTLoss
+
     torch.manual_seed(SEED)
     config = config or model_config()
     model = GPT(config, seed=SEED)
+    objective = GPTLoss(model.ctx, z_loss)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         batches = list(micro_batches(step, config.seq_length, 0, 1))
-        total = sum(model.loss(*inputs, *labels) for inputs, labels in batches) / len(batches)
+        total = sum(objective(model(*inputs), labels) for inputs, labels in batches) / len(batches)
         total.backward()
         norms.append(clip_by_global_norm(model, CLIP))
         optimizer.step()
@@ -140,9 +145,26 @@ def test_reference_learns_and_clips(reference):
 SEQUENCE_PARALLEL = {"sequence_parallel": True}
 # (2, 2, 2) with sequence parallelism and each recompute mode ("full" on the first block of each 2-block stage only):
 # recomputation and sequence parallelism must not change the numbers.
+# The stability options: per-head q/k norms (their gradients summed over TP with and without SP) and the z-loss on
+# vocabulary shards, against a reference with the same options.
+STABILITY = {"qk_layernorm": True, "z_loss": 1e-2}
 LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selective"},
               {**SEQUENCE_PARALLEL, "recompute": "full"}, {**SEQUENCE_PARALLEL, "recompute": "full",
-                                                          "recompute_num_layers": 1}]
+                                                          "recompute_num_layers": 1},
+              STABILITY, {**SEQUENCE_PARALLEL, **STABILITY, "recompute": "selective"}]
+STABILITY_FIELDS = ("qk_layernorm", "z_loss")
+
+
+def expected_for(variant: dict, reference: dict, references: dict) -> dict:
+    """The reference a variant must equal: the plain model's, or (stability options) one with the same options."""
+    options = {key: variant[key] for key in STABILITY_FIELDS if key in variant}
+    if not options:
+        return reference
+    key = tuple(sorted(options.items()))
+    if key not in references:
+        z_loss = options.pop("z_loss", 0.0)
+        references[key] = train_reference(model_config(**options), z_loss)
+    return references[key]
 
 
 @pytest.mark.distributed
@@ -154,11 +176,13 @@ LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selecti
 ], ids=["1-1-1", "2-1-1", "1-2-1-full", "2-2-2-sp-recompute"])
 def test_fp32_split_equals_unsplit(tp, pp, dp, variants, reference):
     ranks = run_distributed(tp * pp * dp, _train_pipeline, tp, pp, "fp32", variants)
+    references = {}
     for variant_index, variant in enumerate(variants):
+        expected = expected_for(variant, reference, references)
         for rank_results in ranks:  # every rank reports the same DP-averaged loss and global norm
             result = rank_results[variant_index]
-            torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-5, msg=str(variant))
-            torch.testing.assert_close(result["norms"], reference["norms"], rtol=1e-5, atol=1e-5, msg=str(variant))
+            torch.testing.assert_close(result["losses"], expected["losses"], rtol=1e-5, atol=1e-5, msg=str(variant))
+            torch.testing.assert_close(result["norms"], expected["norms"], rtol=1e-5, atol=1e-5, msg=str(variant))
             assert result["micro_batches"] == GLOBAL_BATCH // (MICRO_BATCH * dp)
             recompute = variant.get("recompute", "none")
             layers = variant.get("recompute_num_layers")

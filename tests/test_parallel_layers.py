@@ -97,6 +97,38 @@ def _cross_entropy(ctx: ParallelContext) -> dict:
     return {"loss": (loss.detach(), REPLICATED, "close"), "grad_logits": (logits.grad, -1, "close")}
 
 
+Z_LOSS = 1e-2  # large enough that the z-loss term is a sizeable part of the objective and its gradient
+
+
+def _z_loss(ctx: ParallelContext) -> dict:
+    """The objective with the z-loss (model/loss.py) on vocabulary shards: the term as the trainer logs it, and the
+    gradient of cross-entropy + z-loss."""
+    from model.loss import GPTLoss
+
+    logits = _shard(_inputs(B, S, PADDED, seed=8) * 3, ctx, -1).requires_grad_()
+    labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+    loss_mask = (_inputs(B, S, seed=11) > 0).float()
+    objective = GPTLoss(ctx, Z_LOSS)
+    objective.recording = True
+    objective(logits, (labels, loss_mask)).backward()
+    sums, min_log_z = objective.take()
+    return {"z_term": (sums[1], REPLICATED, "close"), "min_log_z": (min_log_z, REPLICATED, "close"),
+            "grad_logits": (logits.grad, -1, "close")}
+
+
+def _z_loss_reference() -> dict:
+    """coef x mean(logsumexp^2) over the masked tokens, computed unsharded with torch.logsumexp, and the gradient of
+    cross-entropy + that term by autograd."""
+    logits = (_inputs(B, S, PADDED, seed=8) * 3).requires_grad_()
+    labels = torch.randint(0, PADDED, (B, S), generator=torch.Generator().manual_seed(9))
+    loss_mask = (_inputs(B, S, seed=11) > 0).float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    cross_entropy = F.cross_entropy(logits.reshape(-1, PADDED), labels.reshape(-1), reduction="none").view(B, S)
+    z_term = Z_LOSS * (log_z.square() * loss_mask).sum() / loss_mask.sum()
+    ((cross_entropy * loss_mask).sum() / loss_mask.sum() + z_term).backward()
+    return {"z_term": z_term.detach(), "min_log_z": log_z.detach()[loss_mask > 0].min(), "grad_logits": logits.grad}
+
+
 def _scatter_gather(ctx: ParallelContext) -> dict:
     x = _inputs(B, S, N, seed=14).requires_grad_()
     local = scatter_to_tensor_parallel_region(x, ctx.tensor_parallel_group)
@@ -173,7 +205,7 @@ def _norms(ctx: ParallelContext) -> dict:
             "rms_grad_weight": (norms["rmsnorm"].weight.grad, REPLICATED, "close")}
 
 
-CASES = {"column": _column, "row": _row, "embedding": _embedding, "cross_entropy": _cross_entropy,
+CASES = {"column": _column, "row": _row, "embedding": _embedding, "cross_entropy": _cross_entropy, "z_loss": _z_loss,
          "scatter_gather": _scatter_gather, "head": _head, "norms": _norms}
 # The same layers with sequence parallelism, checked against the same unsharded references.
 SEQUENCE_PARALLEL_CASES = {"sp_column": (_sp_column, "column"), "sp_row": (_sp_row, "row"),
@@ -206,7 +238,15 @@ def _cross_entropy_reference() -> dict:
 def references() -> dict:
     refs = {name: {k: v[0] for k, v in case(ParallelContext()).items()} for name, case in CASES.items()}
     refs["cross_entropy_torch"] = _cross_entropy_reference()
+    refs["z_loss_torch"] = _z_loss_reference()
     return refs
+
+
+def test_tp1_z_loss_equals_torch(references):
+    ours, torch_ref = references["z_loss"], references["z_loss_torch"]
+    assert ours["z_term"] > 0.1  # log Z about 5 here: the term is not negligible
+    for name in ("z_term", "min_log_z", "grad_logits"):
+        torch.testing.assert_close(ours[name], torch_ref[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_tp1_cross_entropy_equals_torch(references):
@@ -295,7 +335,7 @@ def test_cross_entropy_in_chunks_changes_no_bit(monkeypatch):
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4])
 def test_layers_match_unsharded(tensor_parallel_size, references):
     per_rank = run_distributed(tensor_parallel_size, _all_cases, tensor_parallel_size)
-    references = {**references, "cross_entropy": references["cross_entropy_torch"],
+    references = {**references, "cross_entropy": references["cross_entropy_torch"], "z_loss": references["z_loss_torch"],
                   **{name: references[unsharded] for name, (_, unsharded) in SEQUENCE_PARALLEL_CASES.items()}}
     for case in [*CASES, *SEQUENCE_PARALLEL_CASES]:
         for name, (_, sharding, comparison) in per_rank[0][case].items():

@@ -55,12 +55,13 @@ def _skip_muon_kernels(deepspeed_config: dict[str, Any]) -> None:
 
 
 def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
-                 seed: int) -> tuple[Any, ParallelContext]:
+                 seed: int, z_loss: float = 0.0) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
 
     ``deepspeed_config`` holds DeepSpeed's own keys only. torch's default random stream is seeded per pipeline stage,
     the same on every TP rank of a stage, so that dropout masks of replicated activations agree across TP ranks; the
     model's tensor-parallel stream is seeded per TP rank and stage (model/random.py says which serves which dropout).
+    ``z_loss``: the z-loss coefficient of the objective (model/loss.py).
     """
     import deepspeed
 
@@ -69,7 +70,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     if context.sequence_parallel:
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config)
     torch.manual_seed(default_stream_seed(seed, context))
-    module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method)
+    module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     _skip_muon_kernels(deepspeed_config)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),

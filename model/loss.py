@@ -1,0 +1,72 @@
+"""The training objective: the vocab-parallel cross-entropy, the optional z-loss, and what the monitors read of it.
+
+Per micro-batch, over its tokens with loss_mask 1 (T of them), with log Z_i the logsumexp of token i's logits over
+the whole vocabulary (the cross-entropy has it already, on the vocabulary shards: model/layers.py):
+
+    cross-entropy   CE = sum_i mask_i (log Z_i - logit_i[label_i]) / T
+    z-loss          Z  = coef x sum_i mask_i (log Z_i)^2 / T        (training.z_loss = coef; PaLM's 1e-4)
+    objective       CE + Z                                          what the backward differentiates
+
+The z-loss pulls log Z towards 0, so the output logits cannot drift together far from it (Wortsman et al. 2023's
+output-logit divergence). ``GPTLoss`` is the pipeline's loss function (the last stage calls it once per
+micro-batch). While ``recording``, it adds each micro-batch's terms to a small device tensor, never read on the host
+there: the trainer reads it once per logged step (training/stability.py).
+
+    record  [CE sum, Z sum, micro-batches, log Z sum, tokens]  summed; and min log Z, the smallest seen
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.layers import vocab_parallel_cross_entropy
+from model.parallel import ParallelContext
+
+RECORD_FIELDS = ("cross_entropy", "z_loss", "micro_batches", "log_z_sum", "tokens")
+
+
+class GPTLoss:
+    """``loss_fn(logits, (labels, loss_mask))`` of the pipeline: CE (+ Z) as a scalar, terms recorded on request."""
+
+    def __init__(self, ctx: ParallelContext, z_loss: float = 0.0) -> None:
+        if z_loss < 0:
+            raise ValueError(f"training.z_loss must be >= 0 (a coefficient, 1e-4 in PaLM), got {z_loss}")
+        self.ctx, self.z_loss = ctx, z_loss
+        self.recording = False
+        self.sums: torch.Tensor | None = None  # (5,) fp32: RECORD_FIELDS
+        self.min_log_z: torch.Tensor | None = None  # () fp32
+
+    def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        targets, loss_mask = labels  # (b, s), (b, s)
+        vocab_start = self.ctx.tensor_parallel_rank * logits.shape[-1]
+        losses, log_z = vocab_parallel_cross_entropy(logits, targets, self.ctx.tensor_parallel_group, vocab_start,
+                                                     return_log_z=True)  # (b, s) fp32 each
+        mask = loss_mask.float()
+        tokens = mask.sum().clamp(min=1.0)
+        cross_entropy = (losses * mask).sum() / tokens
+        z_term = self.z_loss * (log_z.square() * mask).sum() / tokens if self.z_loss else None
+        if self.recording:
+            self._record(cross_entropy, z_term, log_z.detach(), mask)
+        return cross_entropy if z_term is None else cross_entropy + z_term
+
+    def _record(self, cross_entropy: torch.Tensor, z_term: torch.Tensor | None, log_z: torch.Tensor,
+                mask: torch.Tensor) -> None:
+        zero = torch.zeros((), device=log_z.device)
+        terms = torch.stack([cross_entropy.detach(), zero if z_term is None else z_term.detach(), zero + 1,
+                             (log_z * mask).sum(), mask.sum()])
+        smallest = log_z.masked_fill(mask == 0, float("inf")).min()
+        self.sums = terms if self.sums is None else self.sums + terms
+        self.min_log_z = smallest if self.min_log_z is None else torch.minimum(self.min_log_z, smallest)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The record since the last take (on the device), and start a new one; None if nothing was recorded."""
+        if self.sums is None:
+            return None
+        record = (self.sums, self.min_log_z)
+        self.sums = self.min_log_z = None
+        return record
+
+
+def gpt_loss(ctx: ParallelContext, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Masked mean of the vocab-parallel cross-entropy over the micro-batch's tokens (no z-loss, nothing recorded)."""
+    return GPTLoss(ctx)(logits, labels)
