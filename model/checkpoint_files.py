@@ -7,7 +7,7 @@ Hugging Face conversion) goes through these names.
         mp_rank_<MM>_model_states.pt                  model-parallel rank MM: client state (run config, train
                                                       state, universal_checkpoint_info) (DeepSpeed)
         zero_pp_rank_<D>_mp_rank_<MM>_optim_states.pt ZeRO-1 optimizer shards (DeepSpeed)
-        rank_state_<R>.pt                             global rank R: dropout streams, spike window
+        rank_state_<R>.pt                             global rank R: dropout streams, spike-guard EWM
         checkpoint.json                               layout, and every file's size and CRC-32
     <save>/universal/global_step<N>/                  DeepSpeed's universal conversion, for another layout
 

@@ -91,7 +91,11 @@ CASES = [
     ("training.save_interval", -1, WORLD, "training.save_interval must be >= 0"),
     ("training.save", None, WORLD, "training.save_interval is set but training.save (the checkpoint directory) is not"),
     ("training.max_consecutive_skips", 0, WORLD, "training.max_consecutive_skips must be >= 1"),
-    ("training.spike_guard", {"enabled": True, "window": 1}, WORLD, "training.spike_guard.window must be >= 2"),
+    ("training.spike_guard", {"enabled": True, "ratio": 1.0}, WORLD, "training.spike_guard.ratio must be > 1"),
+    ("training.spike_guard", {"min_increase_nats": -0.1}, WORLD, "training.spike_guard.min_increase_nats must be >= 0"),
+    # the window rule's keys (run configs from before it was replaced): the error names the replacements
+    ("training.spike_guard", {"enabled": True, "window": 32}, WORLD, "training.spike_guard.window: the window rule is gone; a spike is now a step loss above max(ratio x EWM, EWM + min_increase_nats)"),
+    ("training.spike_guard", {"threshold_std": 5.0, "min_increase": 0.1}, WORLD, "Remove threshold_std, min_increase and set ratio (default 1.2) and min_increase_nats (default 0.3)"),
     ("training.spike_guard", {"enabled": True, "typo": 1}, WORLD, "unknown key(s) ['typo'] in block \"training.spike_guard\""),
     ("training.spike_guard", {"enabled": True, "max_rollbacks": 0}, WORLD, "training.spike_guard.max_rollbacks must be >= 1"),
     ("training.checkpoint_dir", "x", WORLD, "unknown key(s) ['checkpoint_dir'] in block \"training\""),

@@ -3,8 +3,9 @@
 One straight run of 12 steps (the ramp changes the number of micro-batches mid-run; the loss falls), and one run
 stopped after 6 steps and resumed to 12: the per-step losses, learning rates and batch sizes are identical (bitwise,
 fp32 on CPU), and so are the final weights. The same again with sequence parallelism and selective recomputation,
-whose losses are also those of the plain run to fp32 rounding. Faults (SIGTERM, SIGKILL, crashes) are in
-tests/test_faults.py.
+whose losses are also those of the plain run to fp32 rounding; those two runs also measure the stability monitors
+every 3 steps (training/stability.py), which must change no bit of the training and resume with it. Faults (SIGTERM,
+SIGKILL, crashes) are in tests/test_faults.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.launch import STEPS, final_weights, run_training, same_weights, trajectory
+from training.metrics_log import read_metrics
 
 RAMP = [4, 4, 4, 4, 8, 8, 12, 12, 16, 16, 16, 16]  # 3 increments over 1536 tokens: one per 512 tokens of 32-token samples
 
@@ -40,7 +42,9 @@ def test_stop_and_resume_is_exact(corpus, straight_run, tmp_path):
     assert same_weights(final_weights(save), final_weights(straight_run))
 
 
-SEQUENCE_PARALLEL_SELECTIVE = ["parallelism.sequence_parallel=true", "model.recompute=selective"]
+SEQUENCE_PARALLEL_SELECTIVE = ["parallelism.sequence_parallel=true", "model.recompute=selective",
+                               "training.stability_interval=3"]
+MONITORS = ("max_attention_logit", "attention_logit_per_layer", "update_rms_ratio")
 
 
 @pytest.mark.distributed
@@ -52,6 +56,19 @@ def test_sequence_parallel_with_selective_recompute_resumes_exactly(corpus, stra
     assert "at step 6" in result.stdout and "TP 1/2 PP 1/2 DP 0/1, sequence parallel" in result.stdout
     assert trajectory(stopped) == trajectory(straight)  # bitwise: losses, learning rates, batches, tokens
     assert same_weights(final_weights(stopped), final_weights(straight))
+    # The monitors: on steps 3, 6, 9, 12 only; the same numbers after the resume; sane values.
+    records = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
+    resumed = {r["step"]: r for r in read_metrics(stopped / "metrics.jsonl")}
+    assert [step for step, r in records.items() if "max_attention_logit" in r] == [3, 6, 9, 12]
+    for step in (9, 12):
+        assert {k: resumed[step][k] for k in MONITORS} == {k: records[step][k] for k in MONITORS}
+    for step, r in records.items():
+        assert r["log_z_min"] <= r["log_z_mean"] and r["spikes"] == 0  # log Z from every step
+        if step % 3 == 0:
+            assert len(r["attention_logit_per_layer"]) == 2 and r["max_attention_logit"] == max(
+                r["attention_logit_per_layer"]) > 0
+            # Adam's first steps move each weight by about lr: about lr / (init std 0.072) of the matrices' RMS
+            assert 0 < r["update_rms_ratio"]["matrices"] < 0.2 and 0 < r["update_rms_ratio"]["vectors"] < 0.2
     # The plain run's numbers: the same schedule, and losses that differ only by fp32 reduction order (the sums over
     # the TP ranks are reduce-scatters instead of all-reduces). Measured: none, the 12 losses are bitwise equal here.
     plain = trajectory(straight_run)

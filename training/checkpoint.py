@@ -1,7 +1,7 @@
 """Where checkpoints are written and read.
 
 A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
-optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG streams, spike-guard window), and the
+optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG streams, spike-guard EWM), and the
 training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. Every one of these files
 goes through the snapshot engine (training/checkpoint_engine.py): copied to host memory at the save, written by a
 background thread (temporary name, fsync, size and CRC-32 counted, rename). Then the commit, from the training loop:
@@ -445,8 +445,8 @@ def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | Non
     state), or None when there is none.
 
     A reshaped point loads the universal conversion: DeepSpeed slices every fp32 master weight and Adam moment for
-    this rank and copies the weights into the model. The rank states (RNG streams, spike window) belong to ranks of
-    the old layout and are not used then: the streams keep the seeds of this rank, the window refills.
+    this rank and copies the weights into the model. The rank states (RNG streams, spike-guard EWM) belong to ranks of
+    the old layout and are not used then: the streams keep the seeds of this rank, the EWM restarts.
     DeepSpeed reads its own files with torch.load(weights_only=False) (its optimizer states hold Python objects);
     the files this project adds are read with weights_only=True.
     """

@@ -156,8 +156,10 @@ class TrainingConfig:
     """Stop (with the batch positions) when this many steps in a row were skipped (non-finite loss or gradient,
     fp16 overflow, loss spike without rollback)."""
     spike_guard: dict[str, Any] = field(default_factory=dict)
-    """Loss-spike guard, off by default: {"enabled": true, "window": 32, "threshold_std": 5.0, "min_increase": 0.1,
-    "rollback": false} (training/guards.py)."""
+    """The loss-spike rule and guard: {"enabled": false, "ratio": 1.2, "min_increase_nats": 0.3, "rollback": false,
+    "max_rollbacks": 10}. ratio and min_increase_nats define a spike (training/spikes.py), counted in the log on
+    every run; "enabled" also skips the spike's update (training/guards.py). window, threshold_std and min_increase
+    (the earlier window rule) are refused, naming their replacements."""
     rendezvous_timeout_s: float = 600.0
     """How long a rank waits for the master (rank 0, at MASTER_ADDR:MASTER_PORT) to accept connections before it
     stops with an error naming that address; rank 0's node may start later than the others on a large cluster."""
@@ -166,6 +168,13 @@ class TrainingConfig:
     noise_scale_beta: float = 0.99
     """Moving-average beta of the gradient noise scale's |G|^2 and tr(Sigma) estimates, measured at every step when
     DP >= 2 (training/noise_scale.py)."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss, coef x mean(log Z^2) over the tokens, added to the cross-entropy (model/loss.py;
+    PaLM: 1e-4). 0: off. Logged apart from the loss as z_loss."""
+    stability_interval: int = 0
+    """Every N steps, measure the stability monitors (training/stability.py): the largest attention logit of each
+    block on one fixed micro-batch, the mean and smallest log Z of the step's tokens, and each parameter group's
+    update / weight RMS ratio. 0: never."""
     eval_tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks run on the live model (training/task_evaluation.py): the shipped ones
     (evaluation/tasks/: alice_lastword, alice_choice, alice_pages), eval_tasks_include_path's, or lm-eval's own with
@@ -186,7 +195,7 @@ class TrainingConfig:
         for name in ("log_interval",):
             if getattr(self, name) <= 0:
                 raise ValueError(f"training.{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_interval", "eval_iters", "save_interval"):
+        for name in ("eval_interval", "eval_iters", "save_interval", "stability_interval", "z_loss"):
             if getattr(self, name) < 0:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_mode not in ("async", "sync"):
@@ -219,6 +228,7 @@ class TrainingConfig:
     def spike_guard_config(self):
         from training.guards import SpikeGuardConfig
 
+        SpikeGuardConfig.refuse_retired_keys(self.spike_guard)
         return _build(SpikeGuardConfig, "training.spike_guard", self.spike_guard)
 
 

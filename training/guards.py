@@ -6,37 +6,52 @@ untouched, and count the step in ``engine.skipped_steps``. Three things lead the
 
 - a non-finite loss (a poisoned batch, an fp32/bf16 blow-up): its gradients are non-finite already;
 - an fp16 loss-scale overflow: DeepSpeed's dynamic loss scaler, as usual;
-- a loss spike: on the last pipeline stage, at the step's last micro-batch, the guard compares the mean loss of the
-  step's micro-batches with its window of recent step losses and, for a spike, multiplies that micro-batch's loss
-  by NaN, so the step's accumulated gradients become NaN on every stage and the update is skipped like the others.
-  The guard reads training losses only (evaluation runs the same loss function outside a step) and reads them on
-  the host once per step, not once per micro-batch.
+- a loss spike, by the rule of training/spikes.py: on the last pipeline stage, at the step's last micro-batch, the
+  guard compares the mean loss of the step's micro-batches with its detector's limit (a host number, computed
+  before the step) and, for a spike, multiplies that micro-batch's loss by NaN, so the step's accumulated gradients
+  become NaN on every stage and the update is skipped like the others. The guard reads training losses only
+  (evaluation runs the same loss function outside a step) and reads them on the host once per step, not once per
+  micro-batch.
 
-The trainer learns what happened from ``engine.skipped_steps`` and one small all-reduce per step (the spike flag and
-loss travel from the last stage with the stop flag).
+    where                         what the guard does                                               host reads
+    begin_step                    limit = detector.limit() (None: disabled, or no EWM yet);         none
+                                  inactive for an ignored step (the start of warmup)
+    loss function, each           add the micro-batch loss to the step's sum, on the device         none
+      micro-batch
+    loss function, the last       step loss = sum / micro-batches; spike = step loss > limit, in    none
+      micro-batch                 float64 on the device; that micro-batch's loss x NaN on a spike
+    end_step                      read the step loss; detector.update(step loss) makes the same     one
+                                  comparison, so the same decision; spike_loss = a finite spike's
+
+A non-finite step counts as a spike in the detector's ``spikes`` (the rule's table) but stays DeepSpeed's to skip:
+the trainer reports it as a non-finite step and does not roll back for it. The trainer learns what happened from
+``engine.skipped_steps`` and one small all-reduce per step (the spike flag and loss travel from the last stage with
+the stop flag).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from training.spikes import DEFAULT_MIN_INCREASE_NATS, DEFAULT_RATIO, SpikeDetector
+
+RETIRED_KEYS = ("window", "threshold_std", "min_increase")
+"""training.spike_guard keys of the window rule, replaced by ratio and min_increase_nats (no translation: another
+rule)."""
+
 
 @dataclass
 class SpikeGuardConfig:
     enabled: bool = False
-    """Off by default: a spike then trains like any other step."""
-    window: int = 32
-    """Recent (applied) step losses the current one is compared with."""
-    threshold_std: float = 5.0
-    """A spike is a step loss above mean + max(threshold_std x std, min_increase x mean) of the window..."""
-    min_increase: float = 0.1
-    """...so a window of nearly equal losses does not flag ordinary noise."""
+    """Off by default: a spike then trains like any other step (the log counts it all the same)."""
+    ratio: float = DEFAULT_RATIO
+    """r of the spike rule (training/spikes.py): a spike is a step loss above r x the EWM of recent losses..."""
+    min_increase_nats: float = DEFAULT_MIN_INCREASE_NATS
+    """...and d nats above it. Both apply to the log's spike count on every run, and to the guard when enabled."""
     rollback: bool = False
     """On a spike, also reload the latest checkpoint and skip the data from there to the spike (PaLM's practice)."""
     max_rollbacks: int = 10
@@ -45,45 +60,59 @@ class SpikeGuardConfig:
     def __post_init__(self) -> None:
         if self.max_rollbacks < 1:
             raise ValueError(f"training.spike_guard.max_rollbacks must be >= 1, got {self.max_rollbacks}")
-        if self.window < 2:
-            raise ValueError(f"training.spike_guard.window must be >= 2, got {self.window}")
-        if self.threshold_std <= 0 or self.min_increase < 0:
-            raise ValueError("training.spike_guard.threshold_std must be positive and min_increase >= 0, got "
-                             f"{self.threshold_std} and {self.min_increase}")
+        if not self.ratio > 1:
+            raise ValueError(f"training.spike_guard.ratio must be > 1 (a spike is a loss above ratio x its recent "
+                             f"mean), got {self.ratio}")
+        if not self.min_increase_nats >= 0:
+            raise ValueError(f"training.spike_guard.min_increase_nats must be >= 0, got {self.min_increase_nats}")
+
+    @staticmethod
+    def refuse_retired_keys(values: dict[str, Any]) -> None:
+        """A block of the window rule (a run config from before, or one saved in a checkpoint) is refused, naming
+        what replaced its keys."""
+        retired = [key for key in RETIRED_KEYS if key in values]
+        if retired:
+            raise ValueError(
+                f"training.spike_guard.{', '.join(retired)}: the window rule is gone; a spike is now a step loss "
+                f"above max(ratio x EWM, EWM + min_increase_nats) of the recent losses (training/spikes.py). Remove "
+                f"{', '.join(retired)} and set ratio (default {DEFAULT_RATIO}) and min_increase_nats (default "
+                f"{DEFAULT_MIN_INCREASE_NATS}) if the defaults do not suit")
+
+    def detector(self) -> SpikeDetector:
+        return SpikeDetector(ratio=self.ratio, min_increase_nats=self.min_increase_nats)
 
 
 @dataclass
 class SpikeGuard:
-    """Lives in the loss function of the last pipeline stage (one per data-parallel replica).
+    """Lives in the loss function of the last pipeline stage (one per data-parallel replica), with its own detector.
 
-    Active only from ``begin_step`` to ``end_step``, the training step: evaluation (DeepSpeed's ``eval_batch`` calls
-    the same loss function) neither feeds the window nor is judged by it. Within a step the micro-batch losses are
-    summed on the device; at the last one the comparison with the threshold (a host number, from the window) also
-    runs on the device, and its outcome multiplies that loss by 1 or NaN. The host reads the step's mean loss and
-    the outcome once, in ``end_step``, after DeepSpeed's own read of the step's loss.
+    Active only from ``begin_step`` to ``end_step`` of a judged training step: evaluation (DeepSpeed's ``eval_batch``
+    calls the same loss function) and the ignored start of warmup neither feed the detector nor are judged by it.
+    Within a step the micro-batch losses are summed on the device; at the last one the comparison with the limit
+    also runs on the device, and its outcome multiplies that loss by 1 or NaN. The host reads the step's mean loss
+    once, in ``end_step``, after DeepSpeed's own read of the step's loss, and feeds it to the detector.
     """
 
     config: SpikeGuardConfig
-    history: deque = field(default_factory=deque)
-    """Recent step losses (mean of the step's micro-batch losses on this replica), the latest last."""
+    detector: SpikeDetector = field(init=False)
+    """Fed the step losses of this replica (the mean of its micro-batch losses), judged steps only."""
     micro_batches: int = 0
     seen: int = 0
     spike_loss: float | None = None
+    """After end_step: the step loss of a (finite) spike the guard skipped, else None."""
     active: bool = False
     _loss_sum: torch.Tensor | None = None  # on the device: the step's micro-batch losses so far
-    _outcome: torch.Tensor | None = None  # on the device, after the last micro-batch: [step loss, 1.0 if a spike]
+    _step_loss: torch.Tensor | None = None  # on the device, after the last micro-batch
     _limit: float | None = None
 
-    def begin_step(self, micro_batches: int) -> None:
-        self.micro_batches, self.seen, self.spike_loss, self.active = micro_batches, 0, None, True
-        self._loss_sum = self._outcome = None
-        self._limit = self.threshold() if self.config.enabled else None
+    def __post_init__(self) -> None:
+        self.detector = self.config.detector()
 
-    def threshold(self) -> float | None:
-        if len(self.history) < self.config.window:
-            return None
-        mean, std = statistics.fmean(self.history), statistics.stdev(self.history)
-        return mean + max(self.config.threshold_std * std, self.config.min_increase * mean)
+    def begin_step(self, micro_batches: int, ignore: bool = False) -> None:
+        """``ignore``: the step is in the ignored start of warmup (training/spikes.py in_ignored_warmup)."""
+        self.micro_batches, self.seen, self.spike_loss, self.active = micro_batches, 0, None, not ignore
+        self._loss_sum = self._step_loss = None
+        self._limit = self.detector.limit() if self.config.enabled else None
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor:
         """Called with each micro-batch loss; returns it, or NaN x it at the last micro-batch of a spike."""
@@ -94,34 +123,30 @@ class SpikeGuard:
         self.seen += 1
         if self.seen < self.micro_batches:
             return loss
-        step_loss = self._loss_sum / self.seen  # as DeepSpeed averages the step's loss: the same bits
-        if self._limit is None:  # disabled, or the window is not full yet
-            self._outcome = torch.stack([step_loss, torch.zeros_like(step_loss)])
+        self._step_loss = self._loss_sum / self.seen  # as DeepSpeed averages the step's loss: the same bits
+        if self._limit is None:  # disabled, or no EWM yet
             return loss
-        # A non-finite step is skipped by DeepSpeed anyway: not a spike, and not part of the window.
-        spike = torch.isfinite(step_loss) & (step_loss > self._limit)
-        self._outcome = torch.stack([step_loss, spike.float()])
+        # float64, as the host compares in end_step: a float32 comparison would round the limit first and could
+        # disagree with the detector right at the limit. A non-finite step: NaN > limit is False, inf x NaN is NaN.
+        spike = self._step_loss.double() > self._limit
         return loss * torch.where(spike, float("nan"), 1.0).to(loss.dtype)
 
     def end_step(self) -> None:
-        """Close the step: one host read of [step loss, spike], then the window or ``spike_loss`` is updated."""
+        """Close the step: one host read of the step loss, judged and fed by the detector."""
         self.active = False
-        if self._outcome is None:  # not the last stage, or the step did not finish
+        if self._step_loss is None:  # not the last stage, an ignored step, or the step did not finish
             return
-        step_loss, spike = self._outcome.tolist()
-        self._loss_sum = self._outcome = None
-        if spike:
+        step_loss = self._step_loss.tolist()
+        self._loss_sum = self._step_loss = None
+        if self.detector.update(step_loss) and math.isfinite(step_loss):
             self.spike_loss = step_loss
-        elif math.isfinite(step_loss):
-            self.history.append(step_loss)
-            while len(self.history) > self.config.window:
-                self.history.popleft()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history)}
+        return self.detector.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = deque(state.get("history", []))
+        """A checkpoint of the window rule ({"history": [...]}) holds no EWM: the detector starts afresh."""
+        self.detector.load_state_dict(state)
 
 
 def attach_spike_guard(engine: Any, guard: SpikeGuard) -> None:

@@ -17,7 +17,8 @@ CONSOLE_FIELDS = [
     ("step", "step {}"), ("consumed_tokens", "tokens {:,}"), ("consumed_samples", "samples {:,}"),
     ("global_batch", "batch {}"), ("micro_batches", "micro-batches {}"), ("lr", "lr {:.3e}"), ("loss", "loss {:.4f}"),
     ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
-    ("skipped_steps", "skipped {}"),
+    ("skipped_steps", "skipped {}"), ("spikes", "spikes {}"), ("z_loss", "z-loss {:.2e}"),
+    ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
     ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("hfu", "HFU {:.1%}"),
     ("peak_memory_gib", "peak {:.1f} GiB"),
@@ -41,6 +42,22 @@ def read_metrics(path: str | Path, kind: str = "train") -> list[dict[str, Any]]:
         if record.pop("kind") == kind:
             by_step[record["step"]] = record
     return [by_step[step] for step in sorted(by_step)]
+
+
+def _scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """The record's numbers, with a dict's as key/name (update_rms_ratio/matrices) and a list's as key/1 .. n
+    (attention_logit_per_layer/1 is the first block)."""
+    out = []
+    for key, value in record.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            out.append((key, value))
+        elif isinstance(value, dict):
+            out += [(f"{key}/{name}", v) for name, v in value.items() if isinstance(v, (int, float))]
+        elif isinstance(value, list):
+            out += [(f"{key}/{i}", v) for i, v in enumerate(value, 1) if isinstance(v, (int, float))]
+    return out
 
 
 class MetricsLogger:
@@ -72,8 +89,8 @@ class MetricsLogger:
             self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self.jsonl.flush()
         if self.tensorboard:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
+            for key, value in _scalars(record):
+                if key != "step":
                     self.tensorboard.add_scalar(f"{kind}/{key}", value, record["step"])
             if "loss" in record:
                 self.tensorboard.add_scalar(f"{kind}/loss_vs_tokens", record["loss"], record["consumed_tokens"])

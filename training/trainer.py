@@ -5,7 +5,8 @@ Each step:
                      factor x the noise scale measured up to the previous step  -> engine.set_train_batch_size
   2. learning rate = lr_schedule(tokens consumed after the step)        -> every optimizer param group
   3. engine.train_batch pulls batch / (micro x DP) micro-batches per DP rank from the loader
-  4. counters advance (the data is consumed even when the update is skipped, see training/guards.py);
+  4. counters advance (the data is consumed even when the update is skipped, see training/guards.py); the step's
+     loss is judged by the spike rule (training/spikes.py) for the log's spike count;
      one all-reduce agrees on the step's status (a stop signal on any rank, a loss spike on any last stage);
      log / evaluate / checkpoint on their intervals; SIGTERM or SIGINT -> checkpoint on every rank and return;
      too many consecutive skipped steps -> stop with the batch positions; a spike with rollback -> reload the
@@ -35,6 +36,8 @@ from training.guards import SpikeGuard, attach_spike_guard
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.noise_scale import NoiseScaleMonitor
+from training.spikes import in_ignored_warmup
+from training.stability import StabilityMonitor
 from training.task_evaluation import TaskEvaluation
 
 
@@ -106,6 +109,12 @@ class Trainer:
         self.spike_guard = SpikeGuard(config.training.spike_guard_config())
         if self.spike_guard.config.enabled:  # it reads the step's loss (one host sync per step): only when asked
             attach_spike_guard(engine, self.spike_guard)
+        # z-loss and log Z of every step, attention logits and update ratios every stability_interval steps: read
+        # once per logged step (training/stability.py)
+        self.stability = StabilityMonitor(engine, ctx, config.model.num_layers, config.training.stability_interval,
+                                          config.training.z_loss, lambda: next(iter(self.make_train_loader(0))))
+        # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
+        self.spike_detector = self.spike_guard.config.detector()
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -168,7 +177,9 @@ class Trainer:
             group["lr"] = lr
         skipped_before = self.engine.skipped_steps
         loader.step = self.state.step + 1
-        self.spike_guard.begin_step(self.engine.gradient_accumulation_steps())
+        ignore_spikes = in_ignored_warmup(self.state.consumed_tokens, self.config.schedule.warmup_tokens)
+        self.spike_guard.begin_step(self.engine.gradient_accumulation_steps(), ignore=ignore_spikes)
+        self.stability.before_step(self.state.step + 1)
         try:
             loss = self.engine.train_batch(data_iter=loader).item()
         finally:
@@ -178,7 +189,19 @@ class Trainer:
         self.state.global_batch = batch
         self.state.consumed_samples += batch
         self.state.consumed_tokens += batch * self.seq_length
+        self.stability.after_step(self.state.step)  # collective on its steps: the attention-logit probe
+        self._count_spike(loss, ignore_spikes)
         return loss, self.engine.skipped_steps > skipped_before
+
+    def _count_spike(self, loss: float, ignore: bool) -> None:
+        """The log's ``spikes``: this trainer's own detector, fed the step loss DeepSpeed returns (the DP mean, the
+        same on every rank). With the guard on, a step it skipped returns a NaN loss, which the rule counts as a
+        spike too: one count either way, from one place."""
+        ewm, limit = self.spike_detector.ewm, self.spike_detector.limit()
+        if self.spike_detector.update(loss, ignore=ignore):
+            level = "no EWM yet" if ewm is None else f"EWM {ewm:.4f} | limit {limit:.4f}"
+            self.logger.info(f"[spike] step {self.state.step} | loss {loss:.4f} | {level} | "
+                             f"spikes {self.spike_detector.spikes}")
 
     def _agree_on_status(self, stop: StopRequest) -> StepStatus:
         """One small all-reduce (MAX) per step: a signal on any rank, a spike on any last stage (and its loss)."""
@@ -237,6 +260,7 @@ class Trainer:
             "loss": loss,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped_steps": int(self.engine.skipped_steps),
+            "spikes": self.spike_detector.spikes,
             "samples_per_second": throughput["samples"] / throughput["seconds"],
             "tokens_per_second": throughput["samples"] * self.seq_length / throughput["seconds"],
             "tflops_per_gpu": achieved,
@@ -247,6 +271,10 @@ class Trainer:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             **self.noise_scale.last,
         }
+        stability = self.stability.take()  # collective: every rank, every logged step
+        if "z_loss" in stability and self.config.training.z_loss:
+            record["objective"], record["loss"] = loss, loss - stability["z_loss"]  # the loss stays the cross-entropy
+        record.update(stability)
         self.logger.log("train", record)
 
     def evaluate(self) -> float | None:
@@ -278,6 +306,7 @@ class Trainer:
             self.state.step,
             client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
                           "noise_scale": self.noise_scale.state_dict(),
+                          "spike_detector": self.spike_detector.state_dict(),
                           "noise_scale_schedule": self.noise_scale_schedule.state_dict()
                           if self.noise_scale_schedule is not None else None,
                           "universal_checkpoint_info": universal_checkpoint_info(self.config.model)},
@@ -325,6 +354,7 @@ class Trainer:
     def _restore(self, client_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         self.state = TrainState(**client_state["train_state"])
         self.spike_guard.load_state_dict(rank_state.get("spike_guard", {}))
+        self.spike_detector.load_state_dict(client_state.get("spike_detector", {}))
         if client_state.get("noise_scale"):
             self.noise_scale.load_state_dict(client_state["noise_scale"])
         if self.noise_scale_schedule is not None and client_state.get("noise_scale_schedule"):
@@ -336,7 +366,7 @@ class Trainer:
     def rollback(self) -> None:
         """Reload the latest checkpoint and jump the data over everything from there to the spike."""
         directory = self.config.training.save
-        spiked_at = self.state
+        spiked_at, spikes_seen = self.state, self.spike_detector.spikes
         self.finish_checkpoints()  # a checkpoint in flight is committed first: it may be the one to go back to
         loaded = checkpoint.load_checkpoint(self.engine, directory) if directory else None
         if loaded is None:
@@ -347,6 +377,7 @@ class Trainer:
                                   f"{spiked_at.rollbacks} rollbacks (training.spike_guard.max_rollbacks): the spikes "
                                   f"come back whatever data is skipped; lower the learning rate or inspect the run")
         self._restore(*loaded)
+        self.spike_detector.spikes = spikes_seen  # the EWM goes back with the checkpoint; the count does not
         self.state.skipped_samples = spiked_at.data_position - self.state.consumed_samples
         self.state.rollbacks = spiked_at.rollbacks + 1
         self.logger.log("rollback", {"step": self.state.step, "consumed_tokens": self.state.consumed_tokens,
