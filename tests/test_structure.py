@@ -7,8 +7,9 @@ The packages in layers, each importing only from layers below it (and from itsel
     2  hf/, planner/             Hugging Face conversion; planning a run (they do not import each other)
     3  evaluation/               inference pipeline, generation, the lm-evaluation-harness model, its tasks
     4  training/                 the loop, the engine, checkpoints, schedules, metrics, the run config
-    5  tools/, train.py          command-line programs
-    6  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
+    5  lab/                      the stability lab: sweeps of short runs, LR sensitivity, the learning-rate projection
+    6  tools/, train.py          command-line programs
+    7  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
 
 One exception, and why: planner/ reads the run configuration, training/config.py and the batch ramp that it builds
 (training/schedules.py, pure arithmetic). Moving RunConfig below the planner would move the whole config; nothing in
@@ -26,9 +27,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"data": 0, "model": 1, "hf": 2, "planner": 2, "evaluation": 3, "training": 4, "tools": 5, "train": 5,
-          "benchmarks": 6, "scripts": 6, "tests": 6}
-TOP = 6  # benchmarks and scripts may use the tests' launch helpers
+LAYERS = {"data": 0, "model": 1, "hf": 2, "planner": 2, "evaluation": 3, "training": 4, "lab": 5, "tools": 6,
+          "train": 6, "benchmarks": 7, "scripts": 7, "tests": 7}
+TOP = 7  # benchmarks and scripts may use the tests' launch helpers
 ALLOWED_UPWARD = {"planner": {"training.config", "training.schedules"}}
 MAX_MODULE_LINES = 600
 
