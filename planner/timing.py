@@ -209,7 +209,8 @@ class AfterPipeline:
     zero_allgather: float
     sequence_parallel_reduce: float
     """With SP: the TP all-reduce of the replicated parameters' partial gradients (norms, row-parallel biases, the
-    position table), once per step, before the DP reduction (DeepSpeed sums them as it sums tied weights)."""
+    position table), once per step, before the DP reduction (DeepSpeed sums them as it sums tied weights); with
+    model.qk_layernorm, SP or not, also the per-head q/k norms'."""
 
 
 def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
@@ -218,6 +219,15 @@ def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
     biases = 2 * model.hidden_size if model.other_linears_have_bias else 0
     positions = model.max_position_embeddings * model.hidden_size if "PositionEmbedding" in count.layers else 0
     return transformer_layers(count) * (2 * norm + biases) + positions + norm * holds_head(count)
+
+
+def partial_gradient_parameters(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> int:
+    """Parameters of a stage whose gradients are partial sums over TP (model/layers.py): with SP every replicated
+    one; the per-head q/k norms (2 x (2d | d) per block) with or without SP."""
+    head_norms = 0
+    if model.qk_layernorm:
+        head_norms = transformer_layers(count) * 2 * (2 if model.norm == "layernorm" else 1) * model.head_dim
+    return head_norms + (sequence_parallel_parameters(model, count) if sequence_parallel else 0)
 
 
 def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: StageCount, data_parallel_size: int,
@@ -241,8 +251,9 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
         optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
         zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s),
         sequence_parallel_reduce=ring_all_reduce_seconds(
-            (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes) * sequence_parallel_parameters(model, first),
-            tp if config.parallelism.sequence_parallel else 1, rates.tensor_parallel_bytes_per_s))
+            (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes)
+            * partial_gradient_parameters(model, first, config.parallelism.sequence_parallel),
+            tp, rates.tensor_parallel_bytes_per_s))
 
 
 def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[StageCount], data_parallel_size: int,

@@ -378,7 +378,8 @@ def _deepspeed_parameter_names(config: ModelConfig) -> list[str]:
 
 
 @pytest.mark.parametrize("name, overrides", [("tiny", {}), ("llama-tiny", {}), ("qwen2.5-7b", dict(num_layers=2)),
-                                             ("llama-tiny", dict(bias="all", norm="layernorm"))])
+                                             ("llama-tiny", dict(bias="all", norm="layernorm")),
+                                             ("qwen3-0.6b", dict(num_layers=2)), ("tiny", dict(qk_layernorm=True))])
 def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
     """Every pattern of universal_checkpoint_info matches a parameter (DeepSpeed's strict mode asserts it), no name
     matches two patterns of a category, and each kind of tensor is merged the way its layout needs."""
@@ -407,6 +408,8 @@ def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
     assert kind("2.attention.qkv.weight") is None  # whole KV groups per rank: a plain dim-0 concatenation
     assert kind("2.attention.dense.weight") == uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
     assert kind("2.ln1.weight") == kind(f"{config.num_layers + 2}.weight") == uc.TP_REPLICATED_PARAMETER_PATTERNS
+    if config.qk_layernorm:  # the per-head norms are replicated: resliced as they are, never concatenated
+        assert kind("2.attention.q_norm.weight") == kind("2.attention.k_norm.weight") == uc.TP_REPLICATED_PARAMETER_PATTERNS
     if config.mlp == "swiglu":
         assert kind("2.mlp.gate_up.weight") == uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0
         assert kind("2.mlp.down.weight") == uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
