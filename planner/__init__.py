@@ -15,6 +15,8 @@ One module per concern, each with its own formulas in its docstring (the whole d
     scaling     tokens per parameter, the compute-optimal size (Chinchilla)  memory
     checkpointing  a checkpoint's size, its write at a storage bandwidth,  memory
                 the share of the run a save stops it, sync and async
+    pipeline_schedule  the bubble by replaying each rank's DeepSpeed      deepspeed.runtime.pipe.schedule
+                instruction stream (1F1B, DualPipeV) with F and B costs
     plan        one cluster size: errors, warnings, memory, time            all of the above
     search      every layout of one cluster size, ranked                    hardware, memory, timing
     report      the text tables and the --json documents (schema_version)   plan, search, scaling
@@ -26,6 +28,7 @@ training/schedules.py): nothing in the training loop imports the planner.
 from planner.checkpointing import Storage
 from planner.hardware import ATTENTION_SCORES, GPU_PRESETS, Assumptions, Hardware
 from planner.memory import count_parameters
+from planner.pipeline_schedule import ScheduleSimulation, simulate
 from planner.plan import Plan, plan_cluster
 from planner.report import (
     SCHEMA_VERSION,
@@ -40,4 +43,4 @@ from planner.search import search_layouts
 
 __all__ = ["ATTENTION_SCORES", "GPU_PRESETS", "SCHEMA_VERSION", "Assumptions", "Hardware", "Plan", "Storage", "count_parameters",
            "format_comparison", "format_header", "format_plan", "format_search", "plan_cluster", "report_to_dict",
-           "search_layouts", "search_to_dict"]
+           "search_layouts", "search_to_dict", "ScheduleSimulation", "simulate"]
