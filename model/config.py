@@ -73,7 +73,11 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     """Epsilon of every norm of the model, LayerNorm or RMSNorm (``norm``): Llama's rms_norm_eps goes here."""
     init_method_std: float | None = None
-    """Std of the N(0, std^2) weight init; defaults to sqrt(1 / (3 h)), the MT-NLG rule (0.00403 at h = 20480)."""
+    """Std of the N(0, std^2) weight init; defaults to init_std_multiple x sqrt(1 / (3 h)), the MT-NLG rule (0.00403
+    at h = 20480)."""
+    init_std_multiple: float = 1.0
+    """The default init std as a multiple of sqrt(1 / (3 h)): what a sweep varies to ask whether a larger sigma still
+    converges at every width (the paper's failed larger init). With init_method_std set, they must agree."""
     scale_output_layer_init: bool = True
     """Divide the init std of each block's two output projections by sqrt(2 x num_layers) (Megatron's rule)."""
     activation: str = "gelu"
@@ -126,8 +130,16 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        _require(isinstance(self.init_std_multiple, (int, float)) and self.init_std_multiple > 0,
+                 f"model.init_std_multiple must be a positive number, got {self.init_std_multiple!r}")
+        recipe_std = math.sqrt(1.0 / (3.0 * self.hidden_size))
         if self.init_method_std is None:
-            self.init_method_std = math.sqrt(1.0 / (3.0 * self.hidden_size))
+            self.init_method_std = self.init_std_multiple * recipe_std
+        elif self.init_std_multiple != 1.0:
+            _require(math.isclose(self.init_method_std, self.init_std_multiple * recipe_std, rel_tol=1e-9),
+                     f"model.init_method_std ({self.init_method_std}) and model.init_std_multiple "
+                     f"({self.init_std_multiple}) disagree: {self.init_std_multiple} x sqrt(1/(3 x {self.hidden_size})) "
+                     f"is {self.init_std_multiple * recipe_std:.6g}; set one of them only")
         _require(self.ffn_hidden_size > 0, f"model.ffn_hidden_size must be positive, got {self.ffn_hidden_size}")
         _require(self.max_position_embeddings >= self.seq_length,
                  f"model.seq_length ({self.seq_length}) is longer than model.max_position_embeddings "

@@ -196,6 +196,9 @@ LLAMA_FIELDS = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie
      "size, or set model.head_dim"),
     (dict(head_dim=0), None, "model.head_dim must be a positive integer"),
     (dict(qk_layernorm="yes"), None, "model.qk_layernorm must be true or false"),
+    (dict(init_std_multiple=0), None, "model.init_std_multiple must be a positive number"),
+    (dict(init_std_multiple=3.0, init_method_std=0.02), None,
+     "model.init_method_std (0.02) and model.init_std_multiple (3.0) disagree: 3.0 x sqrt(1/(3 x 64)) is 0.216506"),
 ])
 def test_invalid_llama_options_name_the_field(fields, parallel, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -240,3 +243,10 @@ def test_llama_shards_are_slices_of_the_unsharded_init(tensor_parallel_size):
     gate_up = full["layers.0.mlp.gate_up.weight"]
     assert gate_up.shape == (96, 32) and not torch.equal(gate_up[:48], gate_up[48:])
     assert not torch.equal(full["word_embeddings.weight"], full["output_head.weight"])
+
+
+def test_init_std_multiple_scales_the_recipe_rule_and_survives_a_saved_config():
+    config = preset("tiny", init_std_multiple=3.0)  # h 64
+    assert config.init_method_std == 3.0 * math.sqrt(1 / (3 * 64))
+    assert ModelConfig(**config.to_dict()).init_method_std == config.init_method_std  # a checkpoint's run config
+    assert preset("tiny").init_method_std == math.sqrt(1 / (3 * 64))
