@@ -70,6 +70,10 @@ class BestLearningRate:
     """How ``lr`` was found, in words."""
 
 
+def _finite(loss: float | None) -> bool:
+    return loss is not None and math.isfinite(loss)
+
+
 def _finite_points(lrs: Sequence[float], losses: Sequence[float | None]) -> list[tuple[float, float]]:
     """(lr, loss) sorted by lr, diverged runs left out; a ValueError for a bad grid."""
     if len(lrs) != len(losses):
@@ -79,8 +83,7 @@ def _finite_points(lrs: Sequence[float], losses: Sequence[float | None]) -> list
         raise ValueError(f"learning rates must be positive, got {list(lrs)}")
     if len(set(lrs)) != len(lrs):
         raise ValueError(f"a learning rate appears twice in {sorted(lrs)}: give one run per learning rate")
-    points = sorted((lr, loss) for lr, loss in zip(lrs, losses, strict=True)
-                    if loss is not None and math.isfinite(loss))
+    points = sorted((lr, loss) for lr, loss in zip(lrs, losses, strict=True) if _finite(loss))
     if not points:
         raise ValueError(f"every run diverged (learning rates {sorted(lrs)}): no best learning rate; extend the "
                          f"grid downward")
@@ -110,6 +113,12 @@ def best_learning_rate(lrs: Sequence[float], losses: Sequence[float | None]) -> 
     reason = _edge_reason(points, lrs, lowest)
     if reason is not None:
         return BestLearningRate(grid_lr, grid_loss, fitted=False, reason=reason)
+    low, high = points[lowest - 1][0], points[lowest + 1][0]
+    skipped = [lr for lr, loss in zip(lrs, losses, strict=True) if low < lr < high and not _finite(loss)]
+    if skipped:  # the bracket spans a diverged rate: the parabola would put the best value across it
+        return BestLearningRate(grid_lr, grid_loss, fitted=False,
+                                reason=f"the runs around {grid_lr:.3g} enclose the diverged {skipped[0]:.3g}: the grid "
+                                       f"minimum")
     x = [math.log(lr) for lr, _ in points[lowest - 1:lowest + 2]]
     y = [loss for _, loss in points[lowest - 1:lowest + 2]]
     c2, c1, c0 = np.polyfit(x, y, 2)  # three points: the parabola through them

@@ -67,9 +67,9 @@ class DivergenceRule:
 
     def __post_init__(self) -> None:
         if self.patience < 1:
-            raise ValueError(f"patience must be at least 1 logged step, got {self.patience}")
+            raise GridError(f"patience must be at least 1 logged step, got {self.patience}")
         if not self.margin >= 0:
-            raise ValueError(f"margin must be >= 0 (a loss above loss_0 + margin counts), got {self.margin}")
+            raise GridError(f"margin must be >= 0 (a loss above loss_0 + margin counts), got {self.margin}")
 
     def judge(self, records: Sequence[dict[str, Any]]) -> str | None:
         """Why the run diverged, or None. ``records``: the "train" records so far, in step order."""
@@ -191,9 +191,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_command(spec: RunSpec, grid: Grid, port: int) -> list[str]:
-    """What ``deepspeed --num_gpus N train.py ...`` starts on one node: DeepSpeed's per-node launcher."""
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(spec.world_size))}).encode()).decode()
+def launch_command(spec: RunSpec, grid: Grid, port: int, slot: int = 0) -> list[str]:
+    """What ``deepspeed --num_gpus N train.py ...`` starts on one node: DeepSpeed's per-node launcher. ``slot``: the
+    run's place among those running at once; slot k gets devices k N .. k N + N - 1 (the launcher makes them the
+    run's visible devices on GPUs), so runs side by side never share a GPU."""
+    devices = list(range(slot * spec.world_size, (slot + 1) * spec.world_size))
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": devices}).encode()).decode()
     command = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}", str(TRAIN_SCRIPT),
                "--ds_config", grid.base]
@@ -210,19 +213,20 @@ class RunningRun:
     log: IO[bytes]
     started: float
     tail: MetricsTail
+    slot: int = 0
     stop_reason: str | None = None
     kill_at: float | None = None
 
 
-def _launch(spec: RunSpec, grid: Grid, output: Path) -> RunningRun:
+def _launch(spec: RunSpec, grid: Grid, output: Path, slot: int) -> RunningRun:
     run_dir = output / "runs" / spec.name
     run_dir.mkdir(parents=True)
-    command = launch_command(spec, grid, free_port())
+    command = launch_command(spec, grid, free_port(), slot)
     (run_dir / "command.txt").write_text(" ".join(_quote(part) for part in command) + "\n")
     log = open(run_dir / "train.log", "wb")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return RunningRun(spec, run_dir, process, log, time.monotonic(), MetricsTail(run_dir / "metrics.jsonl"))
+    return RunningRun(spec, run_dir, process, log, time.monotonic(), MetricsTail(run_dir / "metrics.jsonl"), slot)
 
 
 def _quote(part: str) -> str:
@@ -335,7 +339,7 @@ def run_sweep(grid_path: str | Path, output: str | Path, *, parallel: int = 1, r
     from tqdm import tqdm
 
     if parallel < 1:
-        raise ValueError(f"parallel must be at least 1 run at a time, got {parallel}")
+        raise GridError(f"parallel must be at least 1 run at a time, got {parallel}")
     rule = rule or DivergenceRule()
     output = Path(output).resolve()
     grid = load_grid(grid_path)
@@ -354,7 +358,8 @@ def run_sweep(grid_path: str | Path, output: str | Path, *, parallel: int = 1, r
         try:
             while queue or running:
                 while queue and len(running) < parallel:
-                    running.append(_launch(queue.pop(0), grid, output))
+                    slot = min(set(range(parallel)) - {run.slot for run in running})
+                    running.append(_launch(queue.pop(0), grid, output, slot))
                     outcome.launched.append(running[-1].spec.name)
                 time.sleep(poll_s)
                 for run in _poll(running, rule, stop_timeout_s):
@@ -367,9 +372,15 @@ def run_sweep(grid_path: str | Path, output: str | Path, *, parallel: int = 1, r
                     if on_result is not None:
                         on_result(outcome)
         except BaseException:
-            for run in running:
+            for run in running:  # every run is told first, then all are waited for within one deadline
                 _stop(run, "the sweep was interrupted", 0.0)
-                _wait_group(run, stop_timeout_s)
+            deadline = time.monotonic() + stop_timeout_s
+            try:
+                for run in running:
+                    _wait_group(run, max(deadline - time.monotonic(), 0.0))
+            finally:  # a second interrupt while waiting still leaves no run behind
+                for run in running:
+                    _signal_group(run.process, signal.SIGKILL)
             raise
     outcome.results = [done[spec.name] for spec in specs]
     return outcome

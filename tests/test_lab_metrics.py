@@ -230,7 +230,22 @@ def test_project_lr_refuses_a_second_axis_until_where_chooses(tmp_path, capsys):
     write_sweep(second, extra={"model.init_method_std": 0.01})
     assert project_main(["--results", str(first), str(second)]) == 1
     err = capsys.readouterr().err
-    assert (f"the runs of parameters=1e+06 differ in model.init_method_std besides schedule.lr (model.init_method_std:"
-            f" 0.02 ({first} line 2), 0.01 ({second} line 2)): choose one with --where model.init_method_std=0.02") in err
+    assert (f"the runs differ in model.init_method_std (0.02 ({first} line 2), 0.01 ({second} line 2)), which is not "
+            f"a model size: the fit is over sizes of one recipe; choose one with --where model.init_method_std=0.02"
+            ) in err
     assert project_main(["--results", str(first), str(second), "--where", "model.init_method_std=1e-2"]) == 0
     assert "fit over 3 sizes: lr = 0.02 N^-0.3500" in capsys.readouterr().out
+
+
+def test_project_lr_refuses_an_option_that_only_looks_like_another_size(tmp_path, capsys):
+    """qk_layernorm adds 2 d per block: its runs have another parameter count, but are not another model size."""
+    plain, normed = tmp_path / "plain.csv", tmp_path / "normed.csv"
+    write_sweep(plain, extra={"model.qk_layernorm": "false"})
+    write_sweep(normed, extra={"model.qk_layernorm": "true"})
+    assert project_main(["--results", str(plain), str(normed)]) == 1
+    assert "differ in model.qk_layernorm" in capsys.readouterr().err
+
+
+def test_a_diverged_rate_inside_the_bracket_is_not_fitted_across():
+    best = best_learning_rate([1e-3, 3e-3, 1e-2, 3e-2, 1e-1], [5.0, 3.6, None, 3.5, 4.5])
+    assert (best.lr, best.fitted) == (3e-2, False) and "enclose the diverged 0.01" in best.reason

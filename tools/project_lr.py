@@ -195,8 +195,28 @@ def _check_one_axis(parameters: float, runs: list[Run]) -> None:
         seen[run.lr] = run
 
 
+SHAPE_PATHS = ("model.hidden_size", "model.num_layers", "model.num_attention_heads", "model.num_key_value_heads",
+               "model.ffn_hidden_size", "model.head_dim", "model.preset")
+"""Swept paths that make a model size; any other swept path (besides schedule.lr) must be one value for the fit."""
+
+
+def _check_sizes_share_the_recipe(runs: list[Run]) -> None:
+    """Across sizes too, only the shape may differ: an option that changes the parameter count a little (qk_layernorm
+    adds 2 d per block) would otherwise pass for another size."""
+    for path in sorted({path for run in runs for path in run.axes} - set(SHAPE_PATHS)):
+        values: dict[str, Run] = {}
+        for run in runs:
+            values.setdefault(_canonical(run.axes.get(path, "")), run)  # the first run with each value
+        if len(values) > 1:
+            shown = ", ".join(f"{run.axes.get(path, '')} ({run.where})" for run in values.values())
+            first = next(iter(values.values())).axes.get(path, "")
+            raise ValueError(f"the runs differ in {path} ({shown}), which is not a model size: the fit is over "
+                             f"sizes of one recipe; choose one with --where {path}={first}")
+
+
 def best_per_size(runs: list[Run], by: str) -> list[Size]:
     """One Size per distinct `parameters`, smallest first."""
+    _check_sizes_share_the_recipe(runs)
     groups: dict[float, list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.parameters].append(run)

@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from lab.grid import GridError
     from lab.report import write_report, write_results_csv
     from lab.sweep import DivergenceRule, run_sweep
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                             rule=DivergenceRule(args.patience, args.margin),
                             processes_per_run=args.processes_per_run, keep_checkpoints=args.keep_checkpoints,
                             progress=not args.no_progress, on_result=write_results_csv)
-    except ValueError as error:
+    except GridError as error:  # the grid or a run's config: nothing ran
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -26,7 +26,9 @@ untouched, and count the step in ``engine.skipped_steps``. Three things lead the
 A non-finite step counts as a spike in the detector's ``spikes`` (the rule's table) but stays DeepSpeed's to skip:
 the trainer reports it as a non-finite step and does not roll back for it. The trainer learns what happened from
 ``engine.skipped_steps`` and one small all-reduce per step (the spike flag and loss travel from the last stage with
-the stop flag).
+the stop flag); the step's logged loss is then the spike's (the largest over the last stages), not the NaN that
+skipped it. Under fp16 the NaN gradients also take DeepSpeed's overflow path: a skipped spike halves the dynamic
+loss scale, as an overflow does.
 """
 
 from __future__ import annotations

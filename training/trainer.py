@@ -128,6 +128,8 @@ class Trainer:
                 if not skipped:
                     self.state.consecutive_skips = 0
                 status = self._agree_on_status(stop)
+                if status.spike_loss is not None and not math.isfinite(loss):
+                    loss = status.spike_loss  # the guard made the loss NaN to skip the update: log the loss it judged
                 if self.checkpointer is not None:
                     self._committed(self.checkpointer.poll())  # the checkpoint in flight, once every writer is done
                 window.add(self.state, flops_per_iteration(self.config.model, self.state.global_batch,
