@@ -375,14 +375,21 @@ class FinalRMSNorm(RMSNorm):
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
 
 
-def largest_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def largest_logit(q: torch.Tensor, k: torch.Tensor, max_scores: int = 2**26) -> torch.Tensor:
     """The largest attention logit q.k / sqrt(d) over the causal pairs (query i, key j <= i), fp32, on the device:
-    q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g query heads per key head (training only: no cache)."""
-    q, k = q.detach().float(), k.detach().float()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head j reads key head j // (nh/g)
-    scores = q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5  # (b, nh/R, s, s)
-    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    return scores.masked_fill(~causal, float("-inf")).amax()
+    q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g query heads per key head (training only: no cache). The scores are
+    formed a few heads at a time, at most ``max_scores`` fp32 values (256 MiB) at once, whatever s is."""
+    q, k = q.detach(), k.detach()
+    heads, queries_per_group, length = q.shape[1], q.shape[1] // k.shape[1], q.shape[-2]
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    chunk = max(1, max_scores // (q.shape[0] * length * length))
+    largest = torch.tensor(float("-inf"), device=q.device)
+    for start in range(0, heads, chunk):
+        head_ids = torch.arange(start, min(start + chunk, heads), device=q.device)
+        keys = k[:, head_ids // queries_per_group].float()  # query head j reads key head j // (nh/g)
+        scores = q[:, head_ids].float() @ keys.transpose(-1, -2) / k.shape[-1] ** 0.5  # (b, chunk, s, s)
+        largest = torch.maximum(largest, scores.masked_fill_(future, float("-inf")).amax())
+    return largest
 
 
 @contextmanager

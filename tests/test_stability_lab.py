@@ -138,6 +138,7 @@ def test_the_probe_equals_the_scores_formed_by_hand():
     causal = torch.ones(10, 10).tril().bool()
     assert largest_logit(q, k) == scores[..., causal].max()
     assert largest_logit(q, k) < scores.max()  # the future keys' scores are excluded
+    assert largest_logit(q, k, max_scores=1) == largest_logit(q, k)  # one head at a time: the same maximum
 
 
 def test_z_loss_keeps_log_z_near_zero_without_weight_decay(corpus):
