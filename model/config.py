@@ -261,8 +261,9 @@ class ModelConfig:
         return self.recompute
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int,
-                       sequence_parallel: bool = False) -> None:
-        """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too)."""
+                       sequence_parallel: bool = False, stages_per_rank: int = 1) -> None:
+        """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too);
+        ``stages_per_rank``: 2 under DualPipeV, whose PP ranks hold 2 PP stages."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         _require(isinstance(tp, int) and tp > 0, f"parallelism.tensor_parallel_size must be a positive integer, got {tp!r}")
         _require(isinstance(pp, int) and pp > 0,
@@ -277,23 +278,29 @@ class ModelConfig:
         _require(self.ffn_hidden_size % tp == 0,
                  f"model.ffn_hidden_size ({self.ffn_hidden_size}) is not divisible by "
                  f"parallelism.tensor_parallel_size ({tp})")
-        _require(self.num_layers % pp == 0,
+        stages = pp * stages_per_rank
+        _require(self.num_layers % stages == 0,
                  f"model.num_layers ({self.num_layers}) cannot be split evenly over "
-                 f"parallelism.pipeline_parallel_size ({pp}) stages: use a stage count that divides the layers "
+                 + (f"parallelism.pipeline_parallel_size ({pp}) stages" if stages_per_rank == 1 else
+                    f"the {stages} stages of DualPipeV at parallelism.pipeline_parallel_size {pp}")
+                 + f": use a stage count that divides the layers "
                  f"(divisors: {[d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]})")
         if sequence_parallel:
             _require(self.seq_length % tp == 0,
                      f"model.seq_length ({self.seq_length}) is not divisible by parallelism.tensor_parallel_size "
                      f"({tp}): with parallelism.sequence_parallel each TP rank holds seq_length / TP positions; use a "
                      f"sequence length that divides, or turn sequence_parallel off")
-        per_stage = self.num_layers // pp
+        per_stage = self.num_layers // stages
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers <= per_stage,
                      f"model.recompute_num_layers ({self.recompute_num_layers}) is more than the {per_stage} blocks of "
-                     f"each of the {pp} pipeline stages: use at most {per_stage}, or null for every block")
+                     f"each of the {stages} pipeline stages: use at most {per_stage}, or null for every block")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # parallelism.pipeline_schedule; what each runs: model/pipe_schedules.py
 
 
 @dataclass
@@ -311,6 +318,10 @@ class ParallelConfig:
     tensor sent between stages): each rank holds seq_length / TP positions there (Korthikanti et al. 2022). Entering
     a column-parallel layer all-gathers the sequence, leaving a row-parallel one reduce-scatters it: the same bytes
     as the all-reduce it replaces. No effect at TP 1."""
+    pipeline_schedule: str = "1f1b"
+    """"1f1b": DeepSpeed's PipelineModule of PP stages, 1F1B. "dualpipev": DeepSpeed's DualPipeVModule of 2 PP stages,
+    rank r holding stage r and 2PP-1-r, run with DualPipeV (DeepSeek-V3's schedule) from 2PP micro-batches per
+    pipeline up, and the V-shaped 1F1B below (model/pipe_schedules.py). Checkpoints are the same files under both."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -319,6 +330,17 @@ class ParallelConfig:
                      f"parallelism.{name} must be a positive integer, got {value!r}")
         _require(isinstance(self.sequence_parallel, bool),
                  f"parallelism.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        _require(self.pipeline_schedule in PIPELINE_SCHEDULES,
+                 f"parallelism.pipeline_schedule must be one of {', '.join(map(json.dumps, PIPELINE_SCHEDULES))}, "
+                 f"got {self.pipeline_schedule!r}")
+        _require(self.pipeline_schedule == "1f1b" or self.pipeline_parallel_size >= 2,
+                 "parallelism.pipeline_schedule \"dualpipev\" needs parallelism.pipeline_parallel_size >= 2 (it "
+                 "fills the bubble between pipeline stages; with one stage there is none): use \"1f1b\"")
+
+    @property
+    def pipeline_stages(self) -> int:
+        """The stages the layers are cut into: PP, or 2 PP under DualPipeV."""
+        return self.pipeline_parallel_size * (2 if self.pipeline_schedule == "dualpipev" else 1)
 
     @property
     def model_parallel_size(self) -> int:

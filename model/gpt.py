@@ -489,7 +489,7 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
 
 
 def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str,
-                         z_loss: float = 0.0):
+                         z_loss: float = 0.0, pipeline_schedule: str = "1f1b"):
     """The DeepSpeed PipelineModule of this rank's stage (collective: all ranks call it).
 
     Its ``tensor_parallel_rng`` is the stage's tensor-parallel stream, which checkpoints save and restore.
@@ -499,10 +499,17 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
     accumulation buffer under BF16_Optimizer, ``.grad`` otherwise) after the last backward of the step, before the
     data-parallel reduction, the gradient norm and the optimizer. The per-head q/k norms (model.qk_layernorm) are
     reduced the same way at any TP > 1: each rank's heads give a part of their gradient
-    (model/layers.py, partial_gradient_parameters). Its ``loss_fn`` is a GPTLoss (model/loss.py) with ``z_loss``."""
-    from deepspeed.pipe import PipelineModule
+    (model/layers.py, partial_gradient_parameters). Its ``loss_fn`` is a GPTLoss (model/loss.py) with ``z_loss``.
 
-    class GPTPipelineModule(PipelineModule):
+    ``pipeline_schedule`` "dualpipev" builds DeepSpeed's DualPipeVModule instead: the same layer list cut into 2 PP
+    stages, this rank holding stage r and 2 PP - 1 - r (so both ends of the tied embedding, on rank 0: its gradient
+    needs no all-reduce over the pipeline). Layer files in checkpoints are named by layer index, as under 1F1B."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+    base = DualPipeVModule if pipeline_schedule == "dualpipev" else PipelineModule
+
+    class GPTPipelineModule(base):
         def get_tied_weights_and_groups(self):
             pairs = super().get_tied_weights_and_groups()
             if ctx.tensor_parallel_size > 1:
@@ -510,7 +517,8 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
                           for p in partial_gradient_parameters(self, ctx.sequence_parallel)]
             return pairs
 
-    config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel)
+    config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel,
+                          2 if pipeline_schedule == "dualpipev" else 1)
     rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
     objective = GPTLoss(ctx, z_loss)
     module = GPTPipelineModule(

@@ -25,7 +25,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("1f1b", "dualpipev")
+from model.config import PIPELINE_SCHEDULES as SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,12 @@ class ScheduleSimulation:
 
 
 def instruction_streams(schedule: str, stages: int, micro_batches: int) -> list[list[Any]]:
-    """Each pipeline rank's instructions, in order, from DeepSpeed's schedule class."""
-    from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule
+    """Each pipeline rank's instructions, in order: the streams the engine runs for this batch (model/pipe_schedules.py:
+    DeepSpeed's TrainSchedule or DualPipeVSchedule, or the V-shaped schedule of "dualpipev" below 2p micro-batches)."""
+    from model.pipe_schedules import schedule_for, train_schedule
 
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
-    cls = TrainSchedule if schedule == "1f1b" else DualPipeVSchedule
-    return [[instruction for step in cls(micro_batches, stages, rank).steps() for instruction in step]
+    name = schedule_for(schedule, micro_batches, stages)
+    return [[instruction for step in train_schedule(name, micro_batches, stages, rank).steps() for instruction in step]
             for rank in range(stages)]
 
 
@@ -95,7 +94,7 @@ class _Replay:
     def _execute(self, rank: int, instruction: Any) -> bool:
         """Run one instruction; False if it must wait for a tensor not sent yet."""
         name = type(instruction).__name__
-        batched = self.schedule == "dualpipev"
+        batched = self.schedule != "1f1b"
         if name in self.cost:
             self.clock[rank] += self.cost[name]
             self.busy[rank] += self.cost[name]

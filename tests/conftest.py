@@ -1,4 +1,4 @@
-"""Shared fixtures: the tokenised shipped corpus and one uninterrupted reference run (the launcher tests); the
+"""Shared fixtures: the tokenised shipped corpus and the uninterrupted reference runs (the launcher tests); the
 recipe's run config and its parameter counts (the planner tests)."""
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ def straight_run(corpus, tmp_path_factory):
     """12 steps without interruption (checkpoints at 4, 8, 12): the reference every fault test must reproduce."""
     save = tmp_path_factory.mktemp("straight") / "checkpoints"
     run_training(corpus, save)
+    return save
+
+
+@pytest.fixture(scope="session")
+def reshape_reference(corpus, tmp_path_factory):
+    """TP 2 x PP 2 x DP 1, 4 layers, 10 steps, checkpoints at steps 6 and 10: the run tests/test_reshape.py resumes
+    at other layouts and tests/test_dualpipev.py repeats and resumes under DualPipeV."""
+    from tests.test_reshape import BASE, STEPS
+
+    save = tmp_path_factory.mktemp("reference") / "checkpoints"
+    run_training(corpus, save, STEPS, BASE)
     return save
 
 

@@ -44,6 +44,7 @@ CASES = [
     ("parallelism.pipeline_parallel_size", -1, WORLD, "parallelism.pipeline_parallel_size must be a positive integer"),
     ("parallelism.tensor_parallel_size", 2, 6, "world size 6 is not divisible by tensor_parallel_size (2) x pipeline_parallel_size (2) = 4"),
     ("parallelism.partitions", 2, WORLD, "unknown key(s) ['partitions'] in block \"parallelism\""),
+    ("parallelism.pipeline_schedule", "interleaved", WORLD, "parallelism.pipeline_schedule must be one of \"1f1b\", \"dualpipev\", got 'interleaved'"),
     # batch sizes and the ramp
     ("train_micro_batch_size_per_gpu", 3, WORLD, "global batch sizes of the ramp are not multiples of micro-batch x data-parallel size = 3 x 1 = 3: 8, 16, 32"),
     ("train_micro_batch_size_per_gpu", 4, 12, "global batch sizes of the ramp are not multiples of micro-batch x data-parallel size = 4 x 3 = 12: 8, 16, 32"),
@@ -115,6 +116,23 @@ CASES = [
     ("data.blend", "x", WORLD, "data.blend = \"x\" is a string: expected a list"),
     ("data.cache_dir", False, WORLD, "data.cache_dir = false is a boolean: expected a string or null"),
 ]
+
+
+# DualPipeV: 2 PP stages of the layers, at least 2 PP micro-batches per pipeline at the full batch
+DUALPIPEV = changed("parallelism.pipeline_schedule", "dualpipev")
+DUALPIPEV_CASES = [
+    ("parallelism.pipeline_parallel_size", 1, 2, "parallelism.pipeline_schedule \"dualpipev\" needs parallelism.pipeline_parallel_size >= 2"),
+    ("model.num_layers", 6, WORLD, "model.num_layers (6) cannot be split evenly over the 4 stages of DualPipeV at parallelism.pipeline_parallel_size 2"),
+    ("train_micro_batch_size_per_gpu", 16, WORLD, "parallelism.pipeline_schedule \"dualpipev\" needs at least 2 x PP = 4 micro-batches per pipeline at the full batch, and train_batch_size 32 / (micro-batch 16 x DP 1) gives 2: raise train_batch_size to 64 or more"),
+]
+
+
+@pytest.mark.parametrize("field, value, world_size, message", DUALPIPEV_CASES,
+                         ids=[f"{c[0]}={c[1]!r}" for c in DUALPIPEV_CASES])
+def test_dualpipev_layout_is_refused_naming_the_field(field, value, world_size, message):
+    parse_run_config(DUALPIPEV).check_world(WORLD)  # the base itself is valid
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_run_config(changed(field, value, DUALPIPEV)).check_world(world_size)
 
 
 def test_there_are_at_least_30_cases():

@@ -4,8 +4,9 @@
   bubble (p - 1) / m; and with unit costs the idle time equals the idle slots counted in DeepSpeed's schedule (its
   steps with neither a forward nor a backward).
 - DualPipeV (DualPipeVSchedule, W kept inside B as DeepSpeed 0.19.8 does): the same compute per rank, every tensor
-  sent is received, and less idle time than 1F1B at every (p, m); fewer than 2p micro-batches are refused by
-  DeepSpeed's own check. The figures are printed.
+  sent is received, and less idle time than 1F1B at every (p, m). The figures are printed.
+- Fewer than 2p micro-batches, which DeepSpeed's DualPipeVSchedule refuses: the V-shaped schedule runs, its sends and
+  receives pair up commit by commit, and it does 1F1B's work.
 """
 
 from __future__ import annotations
@@ -64,8 +65,53 @@ def test_dualpipev_channels_pair_every_send_with_a_receive(stages):
     assert counts and all(balance == 0 for balance in counts.values())
 
 
-def test_dualpipev_needs_2p_micro_batches():
-    with pytest.raises(ValueError, match="DualPipeV needs at least 2 \\* 4 micro-batches, got 7"):
-        simulate("dualpipev", 4, 7, FORWARD, BACKWARD)
-    with pytest.raises(ValueError, match="pipeline schedule must be one of"):
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_below_2p_micro_batches_the_v_shaped_schedule_runs(stages):
+    """DeepSpeed's DualPipeVSchedule refuses fewer than 2p micro-batches; "dualpipev" then runs the V-shaped 1F1B
+    (model/pipe_schedules.py) on the same stages: every tensor sent is received, in the same order on both ranks
+    of a CommitP2P, every rank does the same work, and nothing waits forever (the replay would raise)."""
+    from deepspeed.runtime.pipe.schedule import DualPipeVSchedule
+
+    from model.pipe_schedules import VShapeSchedule
+
+    with pytest.raises(ValueError, match=f"DualPipeV needs at least 2 \\* {stages} micro-batches, got 3"):
+        list(DualPipeVSchedule(3, stages, 0).steps())
+    rows = []
+    for micro_batches in range(1, 2 * stages):
+        streams = instruction_streams("dualpipev", stages, micro_batches)
+        assert all(isinstance(schedule, VShapeSchedule) for schedule in _schedules("dualpipev", stages, micro_batches))
+        sent, received = _messages_per_commit(streams)
+        assert sent == received  # the same (peer, kind, phase) sequence on both ends of every CommitP2P
+        plain = simulate("1f1b", stages, micro_batches, FORWARD, BACKWARD)
+        vshape = simulate("dualpipev", stages, micro_batches, FORWARD, BACKWARD)
+        assert vshape.busy == plain.busy
+        rows.append(f"p {stages} m {micro_batches:>2}: makespan 1F1B {plain.makespan:g}, V-shape {vshape.makespan:g}")
+    print("\n" + "\n".join(rows))
+
+
+def _schedules(schedule: str, stages: int, micro_batches: int) -> list:
+    from model.pipe_schedules import schedule_for, train_schedule
+
+    name = schedule_for(schedule, micro_batches, stages)
+    return [train_schedule(name, micro_batches, stages, rank) for rank in range(stages)]
+
+
+def _messages_per_commit(streams: list[list]) -> tuple[dict, dict]:
+    """{(sender, receiver, n-th CommitP2P of the sender / receiver): [kind, phase, ...]} for sends and receives."""
+    sent, received = {}, {}
+    for rank, stream in enumerate(streams):
+        commits = 0
+        for instruction in stream:
+            name = type(instruction).__name__
+            if name == "CommitP2P":
+                commits += 1
+            elif name.startswith(("Send", "Recv")):
+                sender, receiver, kind, phase = message_channel("dualpipev", rank, instruction)
+                book = sent if name.startswith("Send") else received
+                book.setdefault((sender, receiver, commits), []).append((kind, phase))
+    return sent, received
+
+
+def test_unknown_schedule_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="parallelism.pipeline_schedule must be one of"):
         simulate("interleaved", 4, 8, FORWARD, BACKWARD)

@@ -70,10 +70,8 @@ def universal_states(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("reference") / "checkpoints"
-    run_training(corpus, save, STEPS, BASE)
-    return save
+def reference(reshape_reference) -> Path:
+    return reshape_reference  # tests/conftest.py: shared with tests/test_dualpipev.py
 
 
 @pytest.fixture(scope="module")

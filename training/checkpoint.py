@@ -71,15 +71,22 @@ class Layout:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
+    pipeline_schedule: str = "1f1b"
+    """Which layers a pipeline rank holds, and so its optimizer-state files: DualPipeV's rank r holds stages r and
+    2PP-1-r. The layer files are the same under both, but the ZeRO files are not: another schedule is another
+    layout, reached through the universal checkpoint. Records written before the field read as "1f1b"."""
 
     def __str__(self) -> str:
-        return f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} x DP {self.data_parallel_size}"
+        split = f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} x DP {self.data_parallel_size}"
+        return split if self.pipeline_schedule == "1f1b" else f"{split} (DualPipeV)"
 
     @classmethod
     def of_engine(cls, engine: Any) -> Layout:
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+
         grid = engine.grid  # DeepSpeed's PipelineParallelGrid over this run's topology
         return cls(grid.get_tensor_model_parallel_world_size(), grid.get_pipe_parallel_world_size(),
-                   grid.get_data_parallel_world_size())
+                   grid.get_data_parallel_world_size(), "dualpipev" if isinstance(engine, DualPipeVEngine) else "1f1b")
 
 
 def _crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:

@@ -287,13 +287,22 @@ class RunConfig:
         """The model against its TP x PP split (and SP): a ValueError names the model's numbers and their origin."""
         try:
             self.model.check_parallel(self.parallelism.tensor_parallel_size,
-                                      self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel)
+                                      self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel,
+                                      self.parallelism.pipeline_stages // self.parallelism.pipeline_parallel_size)
         except ValueError as error:
             raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
 
     def check_world(self, world_size: int) -> int:
         """Validate against the launched world; return the data-parallel size."""
         dp = self.parallelism.data_parallel_size(world_size)
+        pp = self.parallelism.pipeline_parallel_size
+        micro_batches = self.global_batch_size // (self.micro_batch_size * dp)
+        if self.parallelism.pipeline_schedule == "dualpipev" and micro_batches < 2 * pp:
+            raise ValueError(f"parallelism.pipeline_schedule \"dualpipev\" needs at least 2 x PP = {2 * pp} "
+                             f"micro-batches per pipeline at the full batch, and train_batch_size "
+                             f"{self.global_batch_size} / (micro-batch {self.micro_batch_size} x DP {dp}) gives "
+                             f"{micro_batches}: raise train_batch_size to {2 * pp * self.micro_batch_size * dp} or more, "
+                             f"or use \"1f1b\" (the ramp's smaller batches run the V-shaped schedule either way)")
         if self.schedule.batch.get("type") != "noise_scale":
             self.batch_schedule().check_divisible(self.micro_batch_size, dp)
             return dp

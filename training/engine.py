@@ -9,6 +9,7 @@ from torch import nn
 
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
+from model.pipe_schedules import schedule_for, train_schedule
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 from model.random import default_stream_seed
 
@@ -21,16 +22,21 @@ def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str
     return [group for group in groups if group["params"]]
 
 
-def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any]) -> dict[str, Any]:
+SEQUENCE_SHARDS = ("splits the tensor sent between stages over the TP ranks as if they held the same one; with "
+                   "parallelism.sequence_parallel each holds its own sequence shard")
+DUALPIPEV_WHOLE_TENSORS = "DeepSpeed's DualPipeVEngine does not support (it sends whole tensors between stages)"
+
+
+def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any], why: str = SEQUENCE_SHARDS) -> dict[str, Any]:
     """With sequence parallelism each TP rank sends its own sequence shard to the next stage. DeepSpeed's default
     pipe_partitioned / grad_partitioned assume the TP ranks hold the same tensor: each sends 1/TP of it and the
-    receivers all-gather the pieces, which would splice the ranks' different shards together. Turn both off."""
+    receivers all-gather the pieces, which would splice the ranks' different shards together. DualPipeVEngine does
+    not support them at all. Turn both off; an explicit true is refused with ``why``."""
     pipeline = deepspeed_config.get("pipeline", {})
     for key in ("pipe_partitioned", "grad_partitioned"):
         if pipeline.get(key):
-            raise ValueError(f"DeepSpeed's pipeline.{key} is true, which splits the tensor sent between stages over "
-                             f"the TP ranks as if they held the same one; with parallelism.sequence_parallel each "
-                             f"holds its own sequence shard: remove pipeline.{key} (it is turned off here)")
+            raise ValueError(f"DeepSpeed's pipeline.{key} is true, which {why}: remove pipeline.{key} (it is turned "
+                             f"off here)")
     return {**deepspeed_config, "pipeline": {**pipeline, "pipe_partitioned": False, "grad_partitioned": False}}
 
 
@@ -67,12 +73,46 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
 
     init_distributed()
     context = build_parallel_context(parallel_config)
-    if context.sequence_parallel:
+    schedule = parallel_config.pipeline_schedule
+    if schedule == "dualpipev":
+        deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config, DUALPIPEV_WHOLE_TENSORS)
+    elif context.sequence_parallel:
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config)
     torch.manual_seed(default_stream_seed(seed, context))
-    module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss)
+    module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss, schedule)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     _skip_muon_kernels(deepspeed_config)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),
                                            config=deepspeed_config)
+    if schedule == "dualpipev":
+        engine.__class__ = _dualpipev_engine_with_short_batches()
     return engine, context
+
+
+def pipeline_schedule_of(engine: Any, micro_batches: int | None = None) -> str:
+    """The stream the engine runs for a batch of ``micro_batches`` (default: the current batch): "1f1b", "dualpipev",
+    or "vshape" (DualPipeV's module below 2 PP micro-batches, model/pipe_schedules.py)."""
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+
+    micro_batches = engine.micro_batches if micro_batches is None else micro_batches
+    return schedule_for("dualpipev" if isinstance(engine, DualPipeVEngine) else "1f1b", micro_batches,
+                        engine.num_stages)
+
+
+def _dualpipev_engine_with_short_batches() -> type:
+    """DeepSpeed's DualPipeVEngine (what deepspeed.initialize builds for a DualPipeVModule) that runs a batch of fewer
+    than 2 PP micro-batches, which DualPipeVSchedule refuses, with the V-shaped schedule on the same module. The
+    engine is DeepSpeed's: only the choice of the schedule for a batch is added. Its class becomes this subclass
+    after deepspeed.initialize, which picks the engine class itself."""
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+
+    class DualPipeVEngineWithShortBatches(DualPipeVEngine):
+        def _train_schedule(self):
+            name = schedule_for("dualpipev", self.micro_batches, self.num_stages)
+            return train_schedule(name, self.micro_batches, self.num_stages, self.stage_id)
+
+        def _inference_schedule(self, micro_batches):
+            name = schedule_for("dualpipev", micro_batches, self.num_stages)
+            return train_schedule(name, micro_batches, self.num_stages, self.stage_id, forward_only=True)
+
+    return DualPipeVEngineWithShortBatches

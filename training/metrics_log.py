@@ -15,7 +15,8 @@ from training.config import RunConfig
 
 CONSOLE_FIELDS = [
     ("step", "step {}"), ("consumed_tokens", "tokens {:,}"), ("consumed_samples", "samples {:,}"),
-    ("global_batch", "batch {}"), ("micro_batches", "micro-batches {}"), ("lr", "lr {:.3e}"), ("loss", "loss {:.4f}"),
+    ("global_batch", "batch {}"), ("micro_batches", "micro-batches {}"),
+    ("pipeline_schedule", "{}"), ("lr", "lr {:.3e}"), ("loss", "loss {:.4f}"),
     ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
     ("skipped_steps", "skipped {}"), ("spikes", "spikes {}"), ("z_loss", "z-loss {:.2e}"),
     ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),

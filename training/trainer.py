@@ -29,8 +29,10 @@ from model.checkpoint_files import tag_for_step
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
 from model.gpt import universal_checkpoint_info
 from model.parallel import ParallelContext, device
+from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
 from training import checkpoint
 from training.config import RunConfig
+from training.engine import pipeline_schedule_of
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
 from training.metrics import detect_peak_tflops, mfu
@@ -115,6 +117,7 @@ class Trainer:
                                           config.training.z_loss, lambda: next(iter(self.make_train_loader(0))))
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
         self.spike_detector = self.spike_guard.config.detector()
+        self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -174,6 +177,7 @@ class Trainer:
         batch = self.next_batch()
         if batch != self.engine.train_batch_size():
             self.engine.set_train_batch_size(batch)
+        self._announce_pipeline_schedule()
         lr = self.lr_schedule(self.state.consumed_tokens + batch * self.seq_length)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
@@ -194,6 +198,18 @@ class Trainer:
         self.stability.after_step(self.state.step)  # collective on its steps: the attention-logit probe
         self._count_spike(loss, ignore_spikes)
         return loss, self.engine.skipped_steps > skipped_before
+
+    def _announce_pipeline_schedule(self) -> None:
+        """One line when the pipeline's instruction stream changes with the batch, and why (model/pipe_schedules.py)."""
+        schedule, micro_batches = pipeline_schedule_of(self.engine), self.engine.gradient_accumulation_steps()
+        if schedule == self._pipeline_schedule:
+            return
+        self._pipeline_schedule, twice_pp = schedule, 2 * self.ctx.pipeline_parallel_size
+        why = {"1f1b": "parallelism.pipeline_schedule \"1f1b\"",
+               "dualpipev": f"{micro_batches} micro-batches per pipeline >= 2 x PP = {twice_pp}",
+               "vshape": f"{micro_batches} micro-batches per pipeline < 2 x PP = {twice_pp}, which DualPipeV needs"}
+        self.logger.info(f"[pipeline] from step {self.state.step + 1}: {PIPELINE_SCHEDULE_NAMES[schedule]} "
+                         f"({why[schedule]})")
 
     def _count_spike(self, loss: float, ignore: bool) -> None:
         """The log's ``spikes``: this trainer's own detector, fed the step loss DeepSpeed returns (the DP mean, the
@@ -258,6 +274,7 @@ class Trainer:
         record = {
             **asdict(self.state),
             "micro_batches": self.engine.gradient_accumulation_steps(),
+            "pipeline_schedule": pipeline_schedule_of(self.engine),
             "lr": self.engine.optimizer.param_groups[0]["lr"],
             "loss": loss,
             "grad_norm": None if grad_norm is None else float(grad_norm),

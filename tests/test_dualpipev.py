@@ -1,0 +1,163 @@
+"""DualPipeV (parallelism.pipeline_schedule "dualpipev") computes what 1F1B computes, from the ramp's first step.
+
+The same tiny GPT is trained twice in one launch, under 1F1B and under DualPipeV, through a batch ramp whose first
+steps have fewer than 2p micro-batches per pipeline (the V-shaped schedule, model/pipe_schedules.py) and whose
+later steps have 2p and more (DeepSpeed's DualPipeVSchedule). fp32, dropout 0: the same layers compute the same
+numbers, only where they run and when differs, so losses and gradient norms agree to 1e-5 (measured: equal to the
+last bit here, or one fp32 rounding of the norm).
+
+- (TP, PP, DP) = (1, 2, 1), (1, 4, 1) and (2, 2, 2) with sequence parallelism, 6 steps each; (2, 2, 1) runs through
+  the launcher and the trainer below.
+- bf16 (BF16_Optimizer) under DualPipeV at (2, 2, 2) stays within the bounds tests/test_model_parallel.py derives
+  from bf16's precision for bf16 against fp32.
+- Through ``train.py`` and the deepspeed launcher at TP 2 x PP 2: a DualPipeV run equals the 1F1B reference of
+  tests/test_reshape.py step for step (its first 4 steps run the V-shaped schedule, the log says which and why);
+  resumed under DualPipeV it continues bit for bit; its checkpoint resumes under 1F1B, and the 1F1B reference's
+  under DualPipeV (another layout: through DeepSpeed's universal checkpoint), both within 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import ParallelConfig
+from tests.distributed import run_distributed
+from tests.launch import run_training
+from tests.test_model_parallel import SEED, deepspeed_config, model_config
+from tests.test_reshape import BASE, RESUME_AT, STEPS, resumable_copy, steps
+from training.engine import build_engine, pipeline_schedule_of
+
+MICRO_BATCH = 1
+DUALPIPEV = ["parallelism.pipeline_schedule=\"dualpipev\""]
+
+
+def ramp(stages: int) -> list[int]:
+    """Micro-batches per pipeline at each of 6 steps: three below DualPipeV's 2p, three at or above it."""
+    return [1, stages, 2 * stages - 1, 2 * stages, 2 * stages, 3 * stages]
+
+
+def micro_batches(step: int, count: int, seq_length: int, data_parallel_rank: int, data_parallel_size: int):
+    """``count`` micro-batches of this DP rank at ``step``: tokens from a skewed 200-token distribution, a loss mask
+    with zeros (the last position, and a random tenth)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    rows = count * MICRO_BATCH * data_parallel_size
+    weights = torch.arange(200, 0, -1, dtype=torch.float) ** 2
+    samples = torch.multinomial(weights, rows * (seq_length + 1), replacement=True, generator=generator)
+    samples = samples.view(rows, seq_length + 1)
+    loss_mask = (torch.rand(rows, seq_length, generator=generator) > 0.1).float()
+    loss_mask[:, -1] = 0.0
+    positions = torch.arange(seq_length).expand(MICRO_BATCH, seq_length)
+    for k in range(count):
+        start = (k * data_parallel_size + data_parallel_rank) * MICRO_BATCH
+        tokens = samples[start:start + MICRO_BATCH]
+        yield (tokens[:, :-1], positions), (tokens[:, 1:], loss_mask[start:start + MICRO_BATCH])
+
+
+def _train_both(tensor_parallel_size: int, pipeline_parallel_size: int, num_layers: int, sequence_parallel: bool,
+                runs: list[tuple[str, str]]) -> list[dict]:
+    """Each (schedule, precision) of ``runs`` from scratch through the ramp, one after the other in these processes."""
+    results = []
+    counts = ramp(pipeline_parallel_size)
+    for schedule, precision in runs:
+        config = model_config(precision=precision, num_layers=num_layers)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
+                                  pipeline_schedule=schedule)
+        data_parallel = torch.distributed.get_world_size() // (tensor_parallel_size * pipeline_parallel_size)
+        ds_config = {**deepspeed_config(precision), "train_micro_batch_size_per_gpu": MICRO_BATCH,
+                     "train_batch_size": max(counts) * MICRO_BATCH * data_parallel}
+        engine, ctx = build_engine(config, parallel, ds_config, SEED)
+        record = {"losses": [], "norms": [], "schedules": [], "class": type(engine).__name__}
+        for step, count in enumerate(counts):
+            engine.set_train_batch_size(count * MICRO_BATCH * data_parallel)
+            data = micro_batches(step, count, config.seq_length, ctx.data_parallel_rank, ctx.data_parallel_size)
+            record["losses"].append(engine.train_batch(data_iter=data).item())
+            record["norms"].append(float(engine.get_global_grad_norm()))
+            record["schedules"].append(pipeline_schedule_of(engine))
+        results.append(record)
+        del engine
+    return results
+
+
+FP32_BOTH = [("1f1b", "fp32"), ("dualpipev", "fp32")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, pp, dp, num_layers, sequence_parallel, runs", [
+    (1, 2, 1, 4, False, FP32_BOTH),
+    (1, 4, 1, 8, False, FP32_BOTH),
+    (2, 2, 2, 4, True, [*FP32_BOTH, ("dualpipev", "bf16")]),
+], ids=["1-2-1", "1-4-1", "2-2-2-sp"])
+def test_dualpipev_equals_1f1b_through_the_ramp(tp, pp, dp, num_layers, sequence_parallel, runs):
+    ranks = run_distributed(tp * pp * dp, _train_both, tp, pp, num_layers, sequence_parallel, runs)
+    expected_schedules = ["vshape"] * 3 + ["dualpipev"] * 3
+    for rank_results in ranks:  # every rank reports the same DP-averaged loss and global norm
+        plain, dual = rank_results[0], rank_results[1]
+        assert plain["schedules"] == ["1f1b"] * 6
+        assert dual["schedules"] == expected_schedules
+        assert plain["class"] == "PipelineEngine" and dual["class"] == "DualPipeVEngineWithShortBatches"
+        assert plain["losses"][-1] < plain["losses"][0] - 0.3
+        torch.testing.assert_close(dual["losses"], plain["losses"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dual["norms"], plain["norms"], rtol=1e-5, atol=1e-5)
+        if len(rank_results) == 3:
+            # bf16 against fp32, bounds from bf16's 8 significant bits (tests/test_model_parallel.py says how):
+            # losses within 0.05 (one bf16 spacing of a loss near 10 is 2^-4); the first step's gradient norm within
+            # 1% (only the bf16 forward and backward differ); later ones within 5% (the weights drift by Adam steps).
+            bf16 = rank_results[2]
+            assert bf16["schedules"] == expected_schedules
+            torch.testing.assert_close(bf16["losses"], plain["losses"], rtol=0, atol=0.05)
+            assert abs(bf16["norms"][0] - plain["norms"][0]) < 0.01 * plain["norms"][0]
+            torch.testing.assert_close(bf16["norms"], plain["norms"], rtol=0.05, atol=0.05)
+
+
+# -- through train.py and the launcher: parity, resume, and checkpoints across the schedules -------------------------
+@pytest.fixture(scope="module")
+def dualpipev_run(corpus, reshape_reference, tmp_path_factory):
+    """The reshape reference's run (TP 2 x PP 2, 10 steps, checkpoints at 6 and 10) under DualPipeV."""
+    save = tmp_path_factory.mktemp("dualpipev") / "checkpoints"
+    result = run_training(corpus, save, STEPS, [*BASE, *DUALPIPEV])
+    return save, result.stdout + result.stderr
+
+
+@pytest.mark.distributed
+def test_dualpipev_run_equals_the_1f1b_run(dualpipev_run, reshape_reference):
+    save, output = dualpipev_run
+    ours, theirs = steps(save), steps(reshape_reference)
+    assert [r["micro_batches"] for r in ours] == [2, 2, 2, 2, 4, 4, 6, 6, 8, 8]  # the ramp 4 -> 16, micro-batch 2
+    assert [r["pipeline_schedule"] for r in ours] == ["vshape"] * 4 + ["dualpipev"] * 6
+    assert [r["pipeline_schedule"] for r in theirs] == ["1f1b"] * 10
+    assert ("[pipeline] from step 1: the V-shaped 1F1B on DualPipeV's stages (2 micro-batches per pipeline < "
+            "2 x PP = 4, which DualPipeV needs)") in output
+    assert "[pipeline] from step 5: DualPipeV (4 micro-batches per pipeline >= 2 x PP = 4)" in output
+    for key in ("lr", "global_batch", "consumed_samples", "consumed_tokens"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=0, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("source, schedule", [("dualpipev", "dualpipev"), ("dualpipev", "1f1b"),
+                                              ("1f1b", "dualpipev")])
+def test_resume_across_schedules(source, schedule, dualpipev_run, reshape_reference, corpus, tmp_path):
+    """A checkpoint of either schedule resumes under either: bit for bit under its own schedule; under the other
+    within 1e-5, through DeepSpeed's universal checkpoint (the ZeRO files hold another rank's layers)."""
+    written = dualpipev_run[0] if source == "dualpipev" else reshape_reference
+    save = resumable_copy(written, tmp_path)
+    result = run_training(corpus, save, STEPS, [*BASE, *(DUALPIPEV if schedule == "dualpipev" else [])])
+    output = result.stdout + result.stderr
+    ours, theirs = steps(save), steps(written)[RESUME_AT:]
+    assert [r["step"] for r in ours] == list(range(RESUME_AT + 1, STEPS + 1))
+    assert [r["pipeline_schedule"] for r in ours] == [schedule] * (STEPS - RESUME_AT)
+    for key in ("lr", "global_batch", "consumed_samples", "consumed_tokens"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    if source == schedule:
+        assert "written at" not in output  # the same layout: loaded directly
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in ours] == [r[key] for r in theirs], key
+        return
+    suffix = {"dualpipev": " (DualPipeV)", "1f1b": ""}
+    assert (f"resumed global_step{RESUME_AT} written at TP 2 x PP 2 x DP 1{suffix[source]}; "
+            f"now TP 2 x PP 2 x DP 1{suffix[schedule]}:") in output
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=0, msg=key)
