@@ -29,7 +29,9 @@ from tests.test_reshape import BASE, RESUME_AT, STEPS, resumable_copy, steps
 from training.engine import build_engine, pipeline_schedule_of
 
 MICRO_BATCH = 1
-DUALPIPEV = ["parallelism.pipeline_schedule=\"dualpipev\""]
+# the stability monitors too: their probe is a one-micro-batch eval_batch (the V-shaped schedule, forward only), and
+# they must not move the numbers
+DUALPIPEV = ["parallelism.pipeline_schedule=\"dualpipev\"", "training.stability_interval=5"]
 
 
 def ramp(stages: int) -> list[int]:
@@ -134,6 +136,13 @@ def test_dualpipev_run_equals_the_1f1b_run(dualpipev_run, reshape_reference):
         assert [r[key] for r in ours] == [r[key] for r in theirs], key
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=0, msg=key)
+    for r in ours:  # the monitors: log Z from every step, the probe and the update ratio on steps 5 and 10
+        assert r["log_z_min"] <= r["log_z_mean"]
+        assert ("max_attention_logit" in r) == (r["step"] % 5 == 0)
+        if r["step"] % 5 == 0:
+            assert len(r["attention_logit_per_layer"]) == 4
+            assert r["max_attention_logit"] == max(r["attention_logit_per_layer"]) > 0
+            assert 0 < r["update_rms_ratio"]["matrices"] < 0.2 and 0 < r["update_rms_ratio"]["vectors"] < 0.2
 
 
 @pytest.mark.distributed

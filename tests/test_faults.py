@@ -163,10 +163,14 @@ def test_non_finite_losses_are_skipped_counted_and_stop_the_run_after_k(corpus, 
 SPIKE_GUARD = '"enabled": true, "ratio": 1.03, "min_increase_nats": 0.3'
 
 
-def test_the_spike_guard_skips_a_spike(corpus, tmp_path):
+@pytest.mark.parametrize("schedule", [[], ["parallelism.pipeline_schedule=\"dualpipev\"", "model.num_layers=4"]],
+                         ids=["1f1b", "dualpipev"])
+def test_the_spike_guard_skips_a_spike(corpus, tmp_path, schedule):
+    """Under DualPipeV too, where the loss is computed on pipeline rank 0, not on the last rank."""
     save = tmp_path / "checkpoints"
     guard = f'training.spike_guard={{{SPIKE_GUARD}}}'
-    run_training(corpus, save, extra=[guard], faults={"garbage_samples": [72, 88]}, processes=2)  # step 10's batch
+    run_training(corpus, save, extra=[guard, *schedule], faults={"garbage_samples": [72, 88]},
+                 processes=2)  # step 10's batch
     skips = skip_records(save)
     assert [(s["step"], s["first_sample"], s["last_sample"]) for s in skips] == [(10, 72, 87)]
     assert "loss spike" in skips[0]["reason"]

@@ -117,10 +117,14 @@ def test_counting_rules_mirror_deepspeed_norm():
 
 
 # -- the hook in DeepSpeed's pipeline engine (PP 2 x DP 2, ZeRO-1) ----------------------------------------------------
-def _one_step(precision: str) -> dict:
+def _one_step(precision: str, schedule: str = "1f1b") -> dict:
     config = model_config(precision=precision)
-    parallel = ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2)
-    engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED)
+    parallel = ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2, pipeline_schedule=schedule)
+    ds_config = deepspeed_config(precision)
+    if schedule == "dualpipev":  # the full batch needs 2p micro-batches; this step is a ramp step below it
+        ds_config["train_batch_size"] = 2 * GLOBAL_BATCH
+    engine, ctx = build_engine(config, parallel, ds_config, SEED)
+    engine.set_train_batch_size(GLOBAL_BATCH)
     monitor = NoiseScaleMonitor(engine, ctx, beta=BETA)
     captured = {}
     measure = monitor.local_squared_norm
@@ -167,8 +171,11 @@ def reference() -> tuple[float, float]:
 
 
 @pytest.mark.distributed
-def test_fp32_zero1_pipeline_hook_equals_materialised_replica_gradients(reference):
-    ranks = run_distributed(4, _one_step, "fp32")
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_fp32_zero1_pipeline_hook_equals_materialised_replica_gradients(reference, schedule):
+    """Under DualPipeV (here its V-shaped schedule: 2 micro-batches per pipeline) the hook sits on the same
+    ReduceGrads, and rank 0 holds the only copy of the tied embedding."""
+    ranks = run_distributed(4, _one_step, "fp32", schedule)
     small, big = reference
     small_batch = GLOBAL_BATCH // 2
     expected = GradientNoiseScale(BETA)

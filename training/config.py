@@ -291,6 +291,10 @@ class RunConfig:
                                       self.parallelism.pipeline_stages // self.parallelism.pipeline_parallel_size)
         except ValueError as error:
             raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
+        if self.parallelism.pipeline_schedule == "dualpipev" and self.training.eval_tasks:
+            raise ValueError("training.eval_tasks runs the live stages in pipeline order (evaluation/pipeline.py), and "
+                             "under parallelism.pipeline_schedule \"dualpipev\" a rank holds two stages of a V: "
+                             "evaluate the checkpoints with tools/evaluate.py (any layout), or train with \"1f1b\"")
 
     def check_world(self, world_size: int) -> int:
         """Validate against the launched world; return the data-parallel size."""

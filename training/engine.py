@@ -76,6 +76,12 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     schedule = parallel_config.pipeline_schedule
     if schedule == "dualpipev":
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config, DUALPIPEV_WHOLE_TENSORS)
+        micro_batches = deepspeed_config["train_batch_size"] // (deepspeed_config["train_micro_batch_size_per_gpu"]
+                                                                * context.data_parallel_size)
+        if micro_batches < 2 * context.pipeline_parallel_size:  # DualPipeVEngine asserts it; train.py says it earlier
+            raise ValueError(f"DualPipeV needs at least 2 x PP = {2 * context.pipeline_parallel_size} micro-batches "
+                             f"per pipeline at the full batch (train_batch_size), got {micro_batches}; smaller batches "
+                             f"of a ramp run the V-shaped schedule (engine.set_train_batch_size)")
     elif context.sequence_parallel:
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config)
     torch.manual_seed(default_stream_seed(seed, context))
@@ -107,11 +113,22 @@ def _dualpipev_engine_with_short_batches() -> type:
     from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 
     class DualPipeVEngineWithShortBatches(DualPipeVEngine):
+        # Both schedules number a micro-batch's phase-1 buffer micro_batch + m, with m the micro-batches of the
+        # schedule being run. DualPipeVEngine adds the training batch's count instead, which differs for an
+        # eval_batch of another size (the stability probe's one micro-batch): the turn-around would then hand the
+        # phase-1 forward a buffer nobody filled. The engine follows the schedule it runs.
+        _schedule_micro_batches = None
+
+        def _phase1_buffer(self, buffer_id):
+            return buffer_id + (self._schedule_micro_batches or self.micro_batches)
+
         def _train_schedule(self):
+            self._schedule_micro_batches = self.micro_batches
             name = schedule_for("dualpipev", self.micro_batches, self.num_stages)
             return train_schedule(name, self.micro_batches, self.num_stages, self.stage_id)
 
         def _inference_schedule(self, micro_batches):
+            self._schedule_micro_batches = micro_batches
             name = schedule_for("dualpipev", micro_batches, self.num_stages)
             return train_schedule(name, micro_batches, self.num_stages, self.stage_id, forward_only=True)
 
