@@ -91,11 +91,20 @@ class VShapeSchedule(ds.PipeSchedule):
             yield [ds.CommitP2P(), ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
 
 
+_COMMIT = ds.CommitP2P()  # no arguments: one instance serves every tick
+
+
 @lru_cache(maxsize=64)
 def _ticks(micro_batches: int, stages: int, forward_only: bool) -> tuple[tuple[tuple, ...], ...]:
-    """Every rank's instructions, one tuple per tick (each ending with CommitP2P)."""
+    """Every rank's instructions, one tuple per tick (each ending with CommitP2P).
+
+    Each micro-batch's passes form one chain (F on virtual stages 0 .. 2p-1, then B back from 2p-1 to 0), so at a
+    tick the only pass of a micro-batch that can be ready is the next one of its chain: ready when the one before it
+    ran at an earlier tick. Each rank takes, of the ready passes on its stages, the first by the module docstring's
+    rules."""
     m, p = micro_batches, stages
     last = 2 * p - 1  # the loss stage, on rank 0
+    chain = [("F", v) for v in range(2 * p)] + ([] if forward_only else [("B", v) for v in range(last, -1, -1)])
 
     def phase(v: int) -> int:
         return 0 if v < p else 1
@@ -103,34 +112,28 @@ def _ticks(micro_batches: int, stages: int, forward_only: bool) -> tuple[tuple[t
     def buffer(v: int, micro_batch: int) -> int:
         return phase(v) * m + micro_batch
 
-    done: dict[tuple[str, int, int], int] = {}  # (kind, micro_batch, virtual stage) -> tick it ran
-    pending = {("F", b, v) for b in range(m) for v in range(2 * p)}
-    if not forward_only:
-        pending |= {("B", b, v) for b in range(m) for v in range(2 * p)}
-
-    def ready(op: tuple[str, int, int], tick: int) -> bool:
-        kind, b, v = op
-        before = (("F", b, v - 1) if v > 0 else None) if kind == "F" else (
-            ("F", b, last) if v == last else ("B", b, v + 1))
-        return before is None or done.get(before, tick) < tick
-
-    def priority(op: tuple[str, int, int]) -> tuple:
-        kind, b, v = op
+    def priority(kind: str, b: int, v: int) -> tuple:
         progress = v if kind == "F" else 2 * p + last - v
         return (kind != "B", b, -progress)
 
+    position = [0] * m  # the next pass of each micro-batch's chain
+    finished_at = [-1] * m  # the tick its previous pass ran
     ranks: list[list[tuple]] = [[] for _ in range(p)]
-    tick = 0
-    while pending:
-        chosen = {}
-        for op in sorted(pending, key=priority):
-            rank = virtual_stage_rank(op[2], p)
-            if rank not in chosen and ready(op, tick):
-                chosen[rank] = op
+    tick, remaining = 0, m * len(chain)
+    while remaining:
+        chosen: dict[int, tuple] = {}
+        for b in range(m):
+            if position[b] == len(chain) or finished_at[b] == tick:
+                continue
+            kind, v = chain[position[b]]
+            rank = virtual_stage_rank(v, p)
+            if rank not in chosen or priority(kind, b, v) < priority(*chosen[rank]):
+                chosen[rank] = (kind, b, v)
         messages = []  # (sender, receiver, send instruction, receive instruction), in one global order
         for rank, (kind, b, v) in sorted(chosen.items()):
-            pending.discard((kind, b, v))
-            done[(kind, b, v)] = tick
+            position[b] += 1
+            finished_at[b] = tick
+            remaining -= 1
             if kind == "F" and v + 1 <= last and virtual_stage_rank(v + 1, p) != rank:
                 messages.append((b, v, 0, rank, virtual_stage_rank(v + 1, p),
                                  ds.SendActivation(buffer(v, b), phase=phase(v)),
@@ -153,7 +156,7 @@ def _ticks(micro_batches: int, stages: int, forward_only: bool) -> tuple[tuple[t
                     instructions.append(send)
                 if rank == receiver:
                     instructions.append(receive)
-            instructions.append(ds.CommitP2P())
+            instructions.append(_COMMIT)
             ranks[rank].append(tuple(instructions))
         tick += 1
     return tuple(tuple(rank) for rank in ranks)
