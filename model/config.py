@@ -252,13 +252,17 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+    def recomputes_block(self, layer_number: int, pipeline_parallel_size: int) -> bool:
+        """Whether block ``layer_number`` (1 .. L) runs the config's recompute mode: it is among the first
+        recompute_num_layers of its group of L / PP consecutive blocks (1F1B's pipeline stage; under DualPipeV the
+        same groups, so that the same blocks recompute under both schedules), or recompute_num_layers is null."""
+        position_in_stage = (layer_number - 1) % (self.num_layers // pipeline_parallel_size)
+        return self.recompute_num_layers is None or position_in_stage < self.recompute_num_layers
+
     def recompute_at(self, layer_number: int, pipeline_parallel_size: int) -> str:
         """The recompute mode of block ``layer_number`` (1 .. L): the config's for the first recompute_num_layers
         blocks of its pipeline stage, "none" for the others."""
-        position_in_stage = (layer_number - 1) % (self.num_layers // pipeline_parallel_size)
-        if self.recompute_num_layers is not None and position_in_stage >= self.recompute_num_layers:
-            return "none"
-        return self.recompute
+        return self.recompute if self.recomputes_block(layer_number, pipeline_parallel_size) else "none"
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int,
                        sequence_parallel: bool = False, stages_per_rank: int = 1) -> None:
@@ -278,23 +282,30 @@ class ModelConfig:
         _require(self.ffn_hidden_size % tp == 0,
                  f"model.ffn_hidden_size ({self.ffn_hidden_size}) is not divisible by "
                  f"parallelism.tensor_parallel_size ({tp})")
-        stages = pp * stages_per_rank
-        _require(self.num_layers % stages == 0,
+        divisors = [d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]
+        _require(self.num_layers % pp == 0,
                  f"model.num_layers ({self.num_layers}) cannot be split evenly over "
-                 + (f"parallelism.pipeline_parallel_size ({pp}) stages" if stages_per_rank == 1 else
-                    f"the {stages} stages of DualPipeV at parallelism.pipeline_parallel_size {pp}")
-                 + f": use a stage count that divides the layers "
-                 f"(divisors: {[d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]})")
+                 f"parallelism.pipeline_parallel_size ({pp}) "
+                 + ("stages" if stages_per_rank == 1 else "ranks of DualPipeV")
+                 + f": use a pipeline-parallel size that divides the layers (divisors: {divisors})")
+        # DualPipeV cuts the blocks into 2 PP stages (DeepSpeed's partition_balanced: the first PP take one block more
+        # when L / PP is odd); rank r's stages r and 2 PP - 1 - r then hold L / PP blocks together, as long as each
+        # stage has one (tests/test_dualpipev.py checks DeepSpeed's partition)
+        _require(stages_per_rank == 1 or self.num_layers // pp >= 2,
+                 f"model.num_layers ({self.num_layers}) gives each of the parallelism.pipeline_parallel_size ({pp}) "
+                 f"ranks {self.num_layers // pp} block, and under DualPipeV a rank holds two stages, one on the way out "
+                 f"and one on the way back: use at least 2 blocks per rank (a pipeline-parallel size of at most "
+                 f"{self.num_layers // 2} that divides the layers: {[d for d in divisors if 2 * d <= self.num_layers]})")
         if sequence_parallel:
             _require(self.seq_length % tp == 0,
                      f"model.seq_length ({self.seq_length}) is not divisible by parallelism.tensor_parallel_size "
                      f"({tp}): with parallelism.sequence_parallel each TP rank holds seq_length / TP positions; use a "
                      f"sequence length that divides, or turn sequence_parallel off")
-        per_stage = self.num_layers // stages
+        per_stage = self.num_layers // pp  # under DualPipeV too: the blocks of 1F1B's stages (recomputes_block)
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers <= per_stage,
                      f"model.recompute_num_layers ({self.recompute_num_layers}) is more than the {per_stage} blocks of "
-                     f"each of the {stages} pipeline stages: use at most {per_stage}, or null for every block")
+                     f"each of the {pp} pipeline stages: use at most {per_stage}, or null for every block")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -30,6 +30,11 @@ class StageCount:
     """The same from the closed-form count."""
     parameters_per_stage: int
     """All TP ranks of the stage together, replicated parameters (LayerNorms, row-parallel biases, positions) once."""
+    blocks: tuple[int, ...] = ()
+    """The numbers (1 .. L) of its transformer blocks."""
+    phases: tuple[StageCount, ...] = ()
+    """Under DualPipeV (a count per pipeline rank): the rank's two stages, r (phase 0, on the way out) and 2 PP - 1 - r
+    (phase 1, on the way back); empty under 1F1B, where the rank is its stage."""
 
 
 def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[int]:
@@ -96,46 +101,54 @@ def analytic_total_parameters(config: ModelConfig, tensor_parallel_size: int = 1
 
 
 def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
-                 tensor_parallel_rank: int = 0) -> list[StageCount]:
-    """Build every stage of one TP rank on the meta device and count its parameters."""
+                 tensor_parallel_rank: int = 0, pipeline_schedule: str = "1f1b") -> list[StageCount]:
+    """Build every stage of one TP rank on the meta device and count its parameters: one count per pipeline rank.
+    Under "dualpipev" the layers are cut into 2 PP stages (DualPipeVModule) and each rank's count holds its two
+    stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends."""
     from model.gpt import gpt_layer_specs
 
-    config.check_parallel(tensor_parallel_size, pipeline_parallel_size)
-    bounds = stage_boundaries(config, pipeline_parallel_size)
-    counts = []
-    for stage in range(pipeline_parallel_size):
-        ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
-                              pipeline_parallel_size=pipeline_parallel_size, pipeline_parallel_rank=stage)
-        specs = _once_per_tied_key(gpt_layer_specs(config, ctx, seed=0)[bounds[stage]:bounds[stage + 1]])
-        with torch.device("meta"):
-            modules = [spec.build() for spec in specs]
+    stages_per_rank = 2 if pipeline_schedule == "dualpipev" else 1
+    config.check_parallel(tensor_parallel_size, pipeline_parallel_size, stages_per_rank=stages_per_rank)
+    stages = pipeline_parallel_size * stages_per_rank
+    bounds = stage_boundaries(config, stages)
+    ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
+                          pipeline_parallel_size=pipeline_parallel_size)
+    specs = gpt_layer_specs(config, ctx, seed=0)
+    block_numbers = {}
+    for i, spec in enumerate(specs):
+        if spec.typename.__name__ == "TransformerLayer":
+            block_numbers[i] = len(block_numbers) + 1
+    with torch.device("meta"):
+        built = [(i, getattr(spec, "key", None), spec.build()) for i, spec in enumerate(specs)]
+
+    def count(stage: int, stage_ids: list[int], phases: tuple = ()) -> StageCount:
+        layers = [layer for s in stage_ids for layer in built[bounds[s]:bounds[s + 1]]]
+        seen, modules = set(), []
+        for _, key, module in layers:  # a rank holding both ends of a tied layer builds it once, as DeepSpeed does
+            if key is None or key not in seen:
+                modules.append(module)
+            seen.add(key)
         assert all(p.is_meta for m in modules for p in m.parameters())
         names = [type(m).__name__ for m in modules]
         parameters = [p for m in modules for p in m.parameters()]
-        counts.append(StageCount(
+        return StageCount(
             stage=stage, layers=names,
             parameters_per_tp_rank=sum(p.numel() for p in parameters),
             analytic_per_tp_rank=sum(analytic_layer_parameters(config, n, tensor_parallel_size) for n in names),
             parameters_per_stage=sum(p.numel() * (tensor_parallel_size if getattr(p, "tensor_model_parallel", False)
-                                                  else 1) for p in parameters)))
-    return counts
+                                                  else 1) for p in parameters),
+            blocks=tuple(block_numbers[i] for i, _, _ in layers if i in block_numbers), phases=phases)
 
-
-def _once_per_tied_key(specs: list) -> list:
-    """A stage holding both ends of a tied layer (the word embedding at PP 1) builds it once, as PipelineModule does."""
-    seen, kept = set(), []
-    for spec in specs:
-        key = getattr(spec, "key", None)  # TiedLayerSpec
-        if key is None or key not in seen:
-            kept.append(spec)
-        seen.add(key)
-    return kept
+    if stages_per_rank == 1:
+        return [count(stage, [stage]) for stage in range(stages)]
+    return [count(rank, [rank, stages - 1 - rank], (count(rank, [rank]), count(stages - 1 - rank, [stages - 1 - rank])))
+            for rank in range(pipeline_parallel_size)]
 
 
 def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_parallel_size: int) -> int:
     """The model's parameters from the stages' modules: the tied embedding (first and last stage) counted once."""
     total = sum(c.parameters_per_stage for c in counts)
-    if len(counts) > 1 and config.tie_word_embeddings:
+    if sum("WordEmbedding" in c.layers for c in counts) > 1 and config.tie_word_embeddings:
         total -= config.padded_vocab_size(tensor_parallel_size) * config.hidden_size
     return total
 

@@ -122,7 +122,9 @@ CASES = [
 DUALPIPEV = changed("parallelism.pipeline_schedule", "dualpipev")
 DUALPIPEV_CASES = [
     ("parallelism.pipeline_parallel_size", 1, 2, "parallelism.pipeline_schedule \"dualpipev\" needs parallelism.pipeline_parallel_size >= 2"),
-    ("model.num_layers", 6, WORLD, "model.num_layers (6) cannot be split evenly over the 4 stages of DualPipeV at parallelism.pipeline_parallel_size 2"),
+    ("model.num_layers", 3, WORLD, "model.num_layers (3) cannot be split evenly over parallelism.pipeline_parallel_size (2) ranks of DualPipeV"),
+    ("model.num_layers", 2, WORLD, "model.num_layers (2) gives each of the parallelism.pipeline_parallel_size (2) ranks 1 block, and under DualPipeV a rank holds two stages, one on the way out and one on the way back: use at least 2 blocks per rank"),
+    ("training.eval_tasks", ["alice_lastword"], WORLD, "training.eval_tasks runs the live stages in pipeline order (evaluation/pipeline.py), and under parallelism.pipeline_schedule \"dualpipev\" a rank holds two stages of a V"),
     ("train_micro_batch_size_per_gpu", 16, WORLD, "parallelism.pipeline_schedule \"dualpipev\" needs at least 2 x PP = 4 micro-batches per pipeline at the full batch, and train_batch_size 32 / (micro-batch 16 x DP 1) gives 2: raise train_batch_size to 64 or more"),
 ]
 
@@ -131,6 +133,8 @@ DUALPIPEV_CASES = [
                          ids=[f"{c[0]}={c[1]!r}" for c in DUALPIPEV_CASES])
 def test_dualpipev_layout_is_refused_naming_the_field(field, value, world_size, message):
     parse_run_config(DUALPIPEV).check_world(WORLD)  # the base itself is valid
+    # and so is an odd number of blocks per rank: 6 layers cut into stages of 2, 2, 1, 1 (ranks hold 3 each)
+    parse_run_config({**DUALPIPEV, "model": {**DUALPIPEV["model"], "num_layers": 6}}).check_world(WORLD)
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_run_config(changed(field, value, DUALPIPEV)).check_world(world_size)
 
