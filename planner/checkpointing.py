@@ -74,8 +74,10 @@ def checkpoint_cost(config: RunConfig, parameters: ParameterCounts, data_paralle
     largest = max(count.parameters_per_tp_rank for count in parameters.stages)
     per_rank = weight * largest + OPTIMIZER_BYTES * largest // d
     held = tp * sum(count.parameters_per_tp_rank for count in parameters.stages)  # every TP rank's own copy
+    # the head's copy of the tied embedding on the last stage is not saved (DualPipeV holds both ends on rank 0, once)
     tied_again = (config.model.padded_vocab_size(tp) * config.model.hidden_size
-                  if config.model.tie_word_embeddings and len(parameters.stages) > 1 else 0)  # the head's: not saved
+                  if config.model.tie_word_embeddings and sum("WordEmbedding" in c.layers for c in parameters.stages) > 1
+                  else 0)
     per_run = weight * (held - tied_again) + OPTIMIZER_BYTES * held
     per_node = min(hardware.gpus_per_node, tp * config.parallelism.pipeline_parallel_size * d) * per_rank
     write = max(per_node / (storage.node_gbytes_per_s * 1e9), per_run / (storage.aggregate_gbytes_per_s * 1e9))

@@ -155,8 +155,10 @@ def deepspeed_layout(config: RunConfig) -> DeepSpeedLayout:
     accumulation = _dtype(ds.get("data_types", {}).get("grad_accum_dtype") or precision)
     communication = _dtype(ds.get("communication_data_type") or precision)
     weight = DTYPE_BYTES[precision]
-    # with SP the engine turns pipe_partitioned off (each TP rank sends its own sequence shard: training/engine.py)
-    partitioned = bool(ds.get("pipeline", {}).get("pipe_partitioned", True)) and not config.parallelism.sequence_parallel
+    # with SP the engine turns pipe_partitioned off (each TP rank sends its own sequence shard: training/engine.py),
+    # and under DualPipeV, which sends whole tensors
+    partitioned = (bool(ds.get("pipeline", {}).get("pipe_partitioned", True)) and not config.parallelism.sequence_parallel
+                   and config.parallelism.pipeline_schedule == "1f1b")
     if precision == "bf16" and accumulation == "fp32":
         return DeepSpeedLayout("BF16_Optimizer", weight, weight, 4, 0, DTYPE_BYTES[communication], 0, partitioned)
     bucket = int(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_ELEMENTS))

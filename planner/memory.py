@@ -49,6 +49,15 @@ Memory of stage i
         recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
         Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
         the last stage adds its head once: the final norm's output (the head's input) and statistics, and the
+        logits and their gradient, 2 e s b V / t.
+    Under DualPipeV (parallelism.pipeline_schedule "dualpipev") a pipeline rank holds two stages, r and 2p - 1 - r,
+        and what it keeps at each instruction boundary is counted from its instruction stream
+        (planner.pipeline_schedule.activations_in_flight): each stage's micro-batches in flight times that stage's
+        per-micro-batch bytes (the loss stage, rank 0's phase 1, keeps its head's norm output and logits per micro-batch,
+        since its backward need not follow its forward), plus the received and to-be-sent (b, s, h) buffers; the
+        largest sum is the rank's activations (the buffers at that moment its pipeline buffers), with the largest
+        working set (a recomputed block, the logits' gradient) on top. Measured at PP 4 in
+        tests/test_activation_memory.py.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from model.config import ModelConfig
 from model.gpt import FINAL_NORMS
 from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
+from planner.pipeline_schedule import activations_in_flight
 from training.config import RunConfig
 
 
@@ -73,8 +83,9 @@ class ParameterCounts:
 
 
 def count_parameters(config: RunConfig) -> ParameterCounts:
+    """One count per pipeline rank (under DualPipeV with its two stages in ``phases``)."""
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    stages = count_stages(config.model, tp, pp)
+    stages = count_stages(config.model, tp, pp, pipeline_schedule=config.parallelism.pipeline_schedule)
     return ParameterCounts(stages, total_from_stages(stages, config.model, tp),
                            analytic_total_parameters(config.model, tp))
 
@@ -187,12 +198,15 @@ def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: i
     return min(pipeline_parallel_size - stage, micro_batches)
 
 
-def recomputing_blocks(model: ModelConfig, count: StageCount, recompute: str) -> int:
-    """Blocks of this stage that recompute: its first recompute_num_layers, or all of them (0 with "none")."""
-    blocks = transformer_layers(count)
+def recomputing_blocks(model: ModelConfig, count: StageCount, recompute: str,
+                       pipeline_parallel_size: int | None = None) -> int:
+    """Blocks of this stage that recompute (ModelConfig.recomputes_block: the first recompute_num_layers of each of
+    the PP 1F1B stages, or all of them; 0 with "none"). Without ``pipeline_parallel_size`` the stage is one of
+    them."""
     if recompute == "none":
         return 0
-    return blocks if model.recompute_num_layers is None else min(model.recompute_num_layers, blocks)
+    groups = pipeline_parallel_size or (model.num_layers // len(count.blocks) if count.blocks else 1)
+    return sum(model.recomputes_block(n, groups) for n in count.blocks)
 
 
 @dataclass(frozen=True)
@@ -201,12 +215,17 @@ class StageActivations:
     """Held per micro-batch: the stage's input, each block's stored set (its mode's), the embedding dropout mask."""
     working_set: int
     """Alive once: a recomputed block's recomputed part ("full": its whole set) and the head on the last stage."""
+    head_held: int = 0
+    """The part of the head a loss stage keeps until its backward (the final norm's output and statistics, the
+    logits): alive once under 1F1B, per micro-batch in flight under DualPipeV."""
 
 
 def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int, *,
                       sequence_parallel: bool = False, recompute: str | None = None,
-                      attention_scores_stored: bool = False) -> StageActivations:
-    """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied."""
+                      attention_scores_stored: bool = False, pipeline_parallel_size: int | None = None
+                      ) -> StageActivations:
+    """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied over
+    the 1F1B stages of ``pipeline_parallel_size`` (default: the stage's own blocks are one such stage)."""
     recompute = model.recompute if recompute is None else recompute
     s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
     u = 1.0 / t if sequence_parallel else 1.0
@@ -216,17 +235,20 @@ def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, t
         return layer_activation_bytes(model, b, t, sequence_parallel=sequence_parallel, recompute=mode,
                                       attention_scores_stored=attention_scores_stored)
 
-    blocks, recomputing = transformer_layers(count), recomputing_blocks(model, count, recompute)
+    blocks = transformer_layers(count)
+    recomputing = recomputing_blocks(model, count, recompute, pipeline_parallel_size)
     stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
     stage_input = hidden_tensor_bytes(model, b) * u
     first_stage_mask = s * b * h * u if count.stage == 0 and model.hidden_dropout > 0 else 0
     recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
-    head = 0.0
+    head = head_held = 0.0
     if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
         norm = s * b * sum(row.bytes_per_token for row in _norm_rows(model, h * u, "final norm"))
-        head = dtype * s * b * h * u + norm + 2 * dtype * s * b * model.padded_vocab_size(t) / t
+        logits = dtype * s * b * model.padded_vocab_size(t) / t
+        head_held = dtype * s * b * h * u + norm + logits
+        head = head_held + logits
     return StageActivations(per_micro_batch=int(stored + stage_input + first_stage_mask),
-                            working_set=int(recomputed + head))
+                            working_set=int(recomputed + head), head_held=int(head_held))
 
 
 @dataclass(frozen=True)
@@ -248,8 +270,10 @@ class StageMemory:
     adam_states: int
     """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1)."""
     micro_batches_held: int
+    """1F1B: min(p - stage, m). DualPipeV: of both stages together, where the rank's activations peak."""
     activations_per_micro_batch: int
-    """Per micro-batch in the configured recompute mode (StageActivations)."""
+    """Per micro-batch in the configured recompute mode (StageActivations); DualPipeV: through both stages, the loss
+    stage's head included."""
     activations_working_set: int
     activations: int
     """held x per micro-batch + working set: the configured mode (model.recompute, recompute_num_layers)."""
@@ -263,8 +287,14 @@ class StageMemory:
     reduce_buffer: int
     framework_allowance: int
     capacity: int
+    reduce_buffer_in_backward: bool = False
+    """DeepSpeed's ZeRO optimizer allocates its reduce bucket at the step's first backward and frees it after the
+    reduction (DeepSpeedZeroOptimizer.setup_buckets), so it lives beside the activations, at any DP (measured:
+    tests/test_activation_memory.py); BF16_Optimizer's bf16 copy of the gradients exists only after the last
+    backward."""
     total: int = 0
-    """Peak: every part, with the larger of activations and the reduce buffer (they are never alive together)."""
+    """Peak: every part; the reduce buffer beside the activations, or the larger of the two where they are never
+    alive together."""
     margin: int = 0
     """capacity - total; negative when it does not fit."""
     fits: bool = True
@@ -272,7 +302,10 @@ class StageMemory:
     def __post_init__(self) -> None:
         static = (self.weights + self.gradients + self.gradient_accumulation + self.gradient_partition
                   + self.master_weights + self.adam_states + self.pipeline_buffers + self.framework_allowance)
-        total = static + max(self.activations, self.reduce_buffer)
+        if self.reduce_buffer_in_backward:
+            total = static + self.activations + self.reduce_buffer
+        else:
+            total = static + max(self.activations, self.reduce_buffer)
         object.__setattr__(self, "total", total)
         object.__setattr__(self, "margin", self.capacity - total)
         object.__setattr__(self, "fits", total <= self.capacity)
@@ -280,27 +313,47 @@ class StageMemory:
 
 def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, data_parallel_size: int,
                  micro_batches: int, hardware: Hardware, assumptions: Assumptions) -> StageMemory:
+    """The bytes of one GPU of pipeline rank ``count.stage`` (under DualPipeV its two stages, ``count.phases``)."""
     model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    held = micro_batches_held(count.stage, pp, micro_batches)
-    by_mode = {mode: stage_activations(model, count, config.micro_batch_size, tp,
-                                       sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
-                                       attention_scores_stored=assumptions.attention_scores_stored)
-               for mode in ALL_MODES}
-    totals = {mode: held * act.per_micro_batch + act.working_set for mode, act in by_mode.items()}
-    act = by_mode[model.recompute]
     hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size)
-    reduce_buffer = (layout.communication_bytes * n if layout.optimizer == "BF16_Optimizer"
-                     else layout.reduce_bucket_elements * layout.grad_bytes)
     # the received activation and gradient: the sequence shard with SP, else the whole tensor
     received = hidden_tensor / tp if config.parallelism.sequence_parallel else hidden_tensor
+
+    def activations(c: StageCount, mode: str) -> StageActivations:
+        return stage_activations(model, c, config.micro_batch_size, tp,
+                                 sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
+                                 attention_scores_stored=assumptions.attention_scores_stored,
+                                 pipeline_parallel_size=pp)
+
+    if count.phases:  # DualPipeV: what the rank's instruction stream keeps (module docstring)
+        totals, in_flight, parts = {}, {}, {}
+        for mode in ALL_MODES:
+            acts = [activations(phase, mode) for phase in count.phases]
+            flight = activations_in_flight("dualpipev", pp, micro_batches, count.stage,
+                                           tuple(a.per_micro_batch + a.head_held for a in acts), received)
+            working = max(a.working_set - a.head_held for a in acts)
+            totals[mode], in_flight[mode] = int(flight.peak_bytes - flight.buffers * received) + working, flight
+            parts[mode] = (sum(a.per_micro_batch + a.head_held for a in acts), working)
+        flight = in_flight[model.recompute]
+        held, (per_micro_batch, working_set) = sum(flight.held), parts[model.recompute]
+        buffers = int(flight.buffers * received)
+    else:
+        held = micro_batches_held(count.stage, pp, micro_batches)
+        by_mode = {mode: activations(count, mode) for mode in ALL_MODES}
+        totals = {mode: held * act.per_micro_batch + act.working_set for mode, act in by_mode.items()}
+        per_micro_batch, working_set = by_mode[model.recompute].per_micro_batch, by_mode[model.recompute].working_set
+        buffers = int(2 * received) if pp > 1 else 0
+    bf16_optimizer = layout.optimizer == "BF16_Optimizer"
+    reduce_buffer = (layout.communication_bytes * n if bf16_optimizer
+                     else layout.reduce_bucket_elements * layout.grad_bytes)
     return StageMemory(
         stage=count.stage, parameters=n, weights=layout.weight_bytes * n, gradients=layout.grad_bytes * n,
         gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=layout.partition_grad_bytes * n // d,
         master_weights=4 * n // d, adam_states=8 * n // d, micro_batches_held=held,
-        activations_per_micro_batch=act.per_micro_batch, activations_working_set=act.working_set,
+        activations_per_micro_batch=per_micro_batch, activations_working_set=working_set,
         activations=totals[model.recompute], activations_none=totals["none"],
         activations_selective=totals["selective"], activations_full=totals["full"],
-        pipeline_buffers=int(2 * received) if pp > 1 else 0, reduce_buffer=reduce_buffer if d > 1 else 0,
-        framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB))
-
+        pipeline_buffers=buffers, reduce_buffer=reduce_buffer if d > 1 or not bf16_optimizer else 0,
+        framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB),
+        reduce_buffer_in_backward=not bf16_optimizer)

@@ -33,6 +33,8 @@ class Plan:
     data_parallel_size: int | None
     micro_batch_size: int
     global_batch_size: int
+    schedule: str = "1f1b"
+    """parallelism.pipeline_schedule."""
     micro_batches: int | None = None
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -128,7 +130,8 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     gpus = nodes * hardware.gpus_per_node
     plan = Plan(nodes=nodes, gpus=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=None,
-                micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size)
+                micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size,
+                schedule=config.parallelism.pipeline_schedule)
     try:
         plan.data_parallel_size = config.parallelism.data_parallel_size(gpus)
     except ValueError as error:
@@ -145,6 +148,13 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         return plan
     layout, d = deepspeed_layout(config), plan.data_parallel_size
     plan.micro_batches = config.global_batch_size // (config.micro_batch_size * d)
+    if config.parallelism.pipeline_schedule == "dualpipev" and plan.micro_batches < 2 * pp:
+        plan.errors.append(
+            f"parallelism.pipeline_schedule \"dualpipev\" needs at least 2 x PP = {2 * pp} micro-batches per pipeline "
+            f"at the full batch, and train_batch_size {config.global_batch_size} / (micro-batch "
+            f"{config.micro_batch_size} x DP {d}) gives {plan.micro_batches}: raise train_batch_size to "
+            f"{2 * pp * config.micro_batch_size * d} or more, use fewer nodes, or \"1f1b\"")
+        return plan
     plan.ramp = {**dataclasses.asdict(ramp), "suggested": ramp != config.batch_schedule()}
     plan.memory = [stage_memory(config, layout, c, d, plan.micro_batches, hardware, assumptions)
                    for c in parameters.stages]

@@ -41,7 +41,7 @@ from planner.scaling import ComputeOptimal, compute_optimal
 from planner.search import Layout, LayoutResult
 from training.config import RunConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Of both --json documents. A key renamed or removed, or a value whose meaning changes, bumps it and gets a line in
 docs/planning.md ("The --json schema"); a new key does not."""
 
@@ -103,6 +103,9 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
 
 
+SCHEDULE_LABELS = {"1f1b": "1F1B", "dualpipev": "DualPipeV (rank r holds stages r and 2 PP - 1 - r)",
+                   "vshape": "V-shaped 1F1B"}
+
 FLOPS_CONVENTION = ("TFLOP/s per GPU and HFU count hardware FLOPs (the recomputed forwards included); MFU counts model "
                     "FLOPs, 3 forwards' worth without recompute (PaLM's definition, what the trainer logs as mfu)")
 
@@ -122,7 +125,8 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
         f"{config.source}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
         f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, recompute "
         f"{recompute_label(model)}; TP {tp} x PP {config.parallelism.pipeline_parallel_size}, sequence parallelism "
-        f"{'on' if config.parallelism.sequence_parallel else 'off'}, micro-batch {config.micro_batch_size}",
+        f"{'on' if config.parallelism.sequence_parallel else 'off'}, micro-batch {config.micro_batch_size}, pipeline "
+        f"schedule {SCHEDULE_LABELS[config.parallelism.pipeline_schedule]}",
         f"DeepSpeed: {layout.optimizer} (ZeRO-1), DP gradient reduction in {8 * layout.communication_bytes}-bit, "
         f"pipe_partitioned {layout.pipe_partitioned}",
         f"GPU {hardware.name}: {hardware.peak_tflops:g} TFLOP/s, {hardware.memory_gib:g} GiB, HBM "
@@ -189,15 +193,17 @@ MEMORY_ROWS = (
     ("  ..., if recompute none", "activations_none"),
     ("  ..., if recompute selective", "activations_selective"),
     ("  ..., if recompute full", "activations_full"),
-    ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer (transient)", "reduce_buffer"),
+    ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer (ZeRO: through the backward)", "reduce_buffer"),
     ("framework allowance", "framework_allowance"), ("peak", "total"), ("margin", "margin"),
 )
 
 
 def format_memory(plan: Plan) -> str:
     columns = _memory_columns(plan)
-    lines = [f"  {'memory per GPU, GiB':<48}" + "".join(f"{'stage ' + str(m.stage):>11}" for m in columns)]
-    lines.append(f"  {'micro-batches held (1F1B)':<48}" + "".join(f"{m.micro_batches_held:>11}" for m in columns))
+    dualpipev = plan.schedule == "dualpipev"
+    unit, held = ("rank ", "micro-batches held, both stages") if dualpipev else ("stage ", "micro-batches held (1F1B)")
+    lines = [f"  {'memory per GPU, GiB':<48}" + "".join(f"{unit + str(m.stage):>11}" for m in columns)]
+    lines.append(f"  {held:<48}" + "".join(f"{m.micro_batches_held:>11}" for m in columns))
     for label, name in MEMORY_ROWS:
         if not any(getattr(m, name) for m in columns):
             continue  # a part this optimizer does not have
@@ -219,7 +225,9 @@ def format_time(plan: Plan) -> str:
         else [plan.full_batch]
     lines = [f"  {'iteration, seconds (share)':<30}" + "".join(f"{f'batch {t.global_batch}':>20}" for t in columns),
              f"  {'micro-batches per pipeline':<30}" + "".join(f"{t.micro_batches:>20}" for t in columns),
-             f"  {'bubble (p - 1) / m':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
+             f"  {'pipeline schedule':<30}" + "".join(f"{SCHEDULE_LABELS[t.schedule].split(' (')[0]:>20}"
+                                                      for t in columns),
+             f"  {'bubble / compute (simulated)':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
     for name in TIME_ROWS:
         lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
             f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))
@@ -228,7 +236,8 @@ def format_time(plan: Plan) -> str:
         f"{t.tflops_per_gpu:>11.1f} ({t.hfu:>5.1%})" for t in columns))
     lines.append(f"  {'MFU (model FLOPs)':<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
     slot = plan.full_batch.micro_batch
-    lines.append(f"  slowest stage {slot.stage}: {slot.total * 1e3:.1f} ms per micro-batch slot (compute "
+    lines.append(f"  slowest {'rank' if plan.schedule == 'dualpipev' else 'stage'} {slot.stage}: "
+                 f"{slot.total * 1e3:.1f} ms per micro-batch slot (compute "
                  f"{slot.compute * 1e3:.1f}, TP {slot.tensor_parallel * 1e3:.1f}, p2p {slot.pipeline_p2p * 1e3:.1f}, "
                  f"fp32 accumulation {slot.gradient_accumulation * 1e3:.1f})")
     return "\n".join(lines)
@@ -305,7 +314,8 @@ def _layout_row(rank: int | str, result: LayoutResult) -> str:
     layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
     return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
             f"{layout.data_parallel_size:>5} {layout.micro_batch_size:>6} {'on' if layout.sequence_parallel else 'off':>4} "
-            f"{layout.recompute:>10} {layers!s:>9} {result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
+            f"{layout.recompute:>10} {layers!s:>9} {SCHEDULE_LABELS[layout.pipeline_schedule].split(' (')[0]:>10} "
+            f"{result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
             f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}")
 
 
@@ -315,7 +325,8 @@ def describe_layout(result: LayoutResult) -> str:
     recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
     return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}, "
             f"micro-batch {layout.micro_batch_size}, sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
-            f"recompute {recompute}: {result.full_batch.seconds:.2f} s per iteration, "
+            f"recompute {recompute}, {SCHEDULE_LABELS[layout.pipeline_schedule].split(' (')[0]}: "
+            f"{result.full_batch.seconds:.2f} s per iteration, "
             f"{result.peak_memory_bytes / GIB:.2f} GiB peak, MFU {result.full_batch.mfu:.1%}")
 
 
@@ -324,7 +335,8 @@ def layout_settings(layout: Layout) -> str:
     settings = {"parallelism.tensor_parallel_size": layout.tensor_parallel_size,
                 "parallelism.pipeline_parallel_size": layout.pipeline_parallel_size,
                 "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-                "parallelism.sequence_parallel": layout.sequence_parallel, "model.recompute": layout.recompute}
+                "parallelism.sequence_parallel": layout.sequence_parallel, "model.recompute": layout.recompute,
+                "parallelism.pipeline_schedule": layout.pipeline_schedule}
     if layout.recompute_num_layers is not None:
         settings["model.recompute_num_layers"] = layout.recompute_num_layers
     return " ".join(set_option(path, value) for path, value in settings.items())
@@ -339,7 +351,7 @@ def format_search(config: RunConfig, nodes: int, hardware: Hardware, tried: int,
     if not results:
         return "\n".join(lines + ["no layout fits"])
     lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5} {'micro':>6} {'SP':>4} {'recompute':>10} "
-                 f"{'n layers':>9} {'peak GiB':>9} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}")
+                 f"{'n layers':>9} {'schedule':>10} {'peak GiB':>9} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}")
     lines += [_layout_row(rank, r) for rank, r in enumerate(results[:top], start=1)]
     lines += ["", _wrap(f"best: {describe_layout(results[0])}. As settings: {layout_settings(results[0].layout)}")]
     return "\n".join(lines)

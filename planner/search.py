@@ -5,7 +5,9 @@ Search (``search_layouts``, tools/plan.py --search, one node count)
     TP in 1 .. GPUs per node dividing the heads, key/value heads and FFN; PP dividing the layers with TP x PP
     dividing the GPUs; micro-batch 1, 2, 4, 8 where micro-batch x DP divides the full batch; SP off, and on when
     TP > 1 and TP divides the sequence; recompute "none", and "selective" and "full" on all blocks of each stage or
-    on n of them (every n when a stage has <= 8 blocks, else 7 spread). The layouts that fit are ranked by their
+    on n of them (every n when a stage has <= 8 blocks, else 7 spread); the pipeline schedule "1f1b", and
+    "dualpipev" where PP >= 2, each rank holds at least 2 blocks and the full batch gives at least 2 PP
+    micro-batches per pipeline. The layouts that fit are ranked by their
     predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
 """
 
@@ -34,6 +36,7 @@ class Layout:
     recompute: str
     recompute_num_layers: int | None
     """Blocks of each stage that recompute; None: all of them (and with recompute "none")."""
+    pipeline_schedule: str = "1f1b"
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ def layout_config(config: RunConfig, layout: Layout) -> RunConfig:
                                 recompute_num_layers=layout.recompute_num_layers)
     parallelism = dataclasses.replace(config.parallelism, tensor_parallel_size=layout.tensor_parallel_size,
                                       pipeline_parallel_size=layout.pipeline_parallel_size,
-                                      sequence_parallel=layout.sequence_parallel)
+                                      sequence_parallel=layout.sequence_parallel,
+                                      pipeline_schedule=layout.pipeline_schedule)
     deepspeed = {**config.deepspeed, "train_micro_batch_size_per_gpu": layout.micro_batch_size}
     return dataclasses.replace(config, model=model, parallelism=parallelism, deepspeed=deepspeed)
 
@@ -69,7 +73,8 @@ def recompute_layer_choices(blocks_per_stage: int) -> list[int | None]:
 def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
     """TP dividing the heads, key/value heads and FFN, up to a node; PP dividing the layers with TP x PP dividing the
     GPUs; micro-batches 1, 2, 4, 8 that split the full batch over DP; SP on or off (on: TP > 1 and a sequence that
-    divides); recompute none, selective and full, the latter two on some or all blocks of each stage."""
+    divides); recompute none, selective and full, the latter two on some or all blocks of each stage; 1F1B, and
+    DualPipeV where it can run (module docstring)."""
     model, batch = config.model, config.global_batch_size
     layouts = []
     for tp in range(1, gpus_per_node + 1):
@@ -81,33 +86,44 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
                 for sequence_parallel in (False, True) if tp > 1 and model.seq_length % tp == 0 else (False,):
                     modes = [("none", None)] + [(mode, n) for mode in ("selective", "full")
                                                 for n in recompute_layer_choices(model.num_layers // pp)]
-                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n) for mode, n in modes]
+                    schedules = ["1f1b"]
+                    if pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp:
+                        schedules.append("dualpipev")
+                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule)
+                                for schedule in schedules for mode, n in modes]
     return layouts
 
 
 def _distinct_stages(counts: list[StageCount]) -> list[StageCount]:
-    """Stages 0, 1 and the last: the middle stages repeat stage 1 with fewer micro-batches held (the blocks divide
-    evenly), so these three carry the peak memory and the slowest slot."""
+    """1F1B: stages 0, 1 and the last: the middle stages repeat stage 1 with fewer micro-batches held (the blocks
+    divide evenly), so these three carry the peak memory and the slowest slot. DualPipeV: every rank (what each
+    holds in flight follows its own stream)."""
+    if counts and counts[0].phases:
+        return counts
     return [counts[i] for i in sorted({0, min(1, len(counts) - 1), len(counts) - 1})]
 
 
 def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
-                   counts: Callable[[int, int], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
+                   counts: Callable[[int, int, str], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
     """Every candidate layout at ``nodes``: (how many were tried, those that fit, fastest full-batch iteration
-    first). ``counts(tp, pp)`` gives the stages' parameter counts (default: count_stages, once per (tp, pp))."""
-    cache: dict[tuple[int, int], list[StageCount]] = {}
+    first). ``counts(tp, pp, schedule)`` gives the ranks' parameter counts (default: count_stages, once per (tp, pp,
+    schedule))."""
+    cache: dict[tuple[int, int, str], list[StageCount]] = {}
 
-    def stages(tp: int, pp: int) -> list[StageCount]:
-        if (tp, pp) not in cache:
-            full = counts(tp, pp) if counts else count_stages(config.model, tp, pp)
-            cache[(tp, pp)] = _distinct_stages(full)
-        return cache[(tp, pp)]
+    def default_counts(tp: int, pp: int, schedule: str) -> list[StageCount]:
+        return count_stages(config.model, tp, pp, pipeline_schedule=schedule)
+
+    def stages(tp: int, pp: int, schedule: str) -> list[StageCount]:
+        if (tp, pp, schedule) not in cache:
+            full = (counts or default_counts)(tp, pp, schedule)
+            cache[(tp, pp, schedule)] = _distinct_stages(full)
+        return cache[(tp, pp, schedule)]
 
     layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node)
     results = []
     for layout in layouts:
         candidate = layout_config(config, layout)
-        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.pipeline_schedule)
         ds_layout, d = deepspeed_layout(candidate), layout.data_parallel_size
         m = config.global_batch_size // (layout.micro_batch_size * d)
         peak = max((stage_memory(candidate, ds_layout, c, d, m, hardware, assumptions) for c in chosen),

@@ -62,6 +62,7 @@ from model.flops import (
 from model.summary import StageCount
 from planner.hardware import Assumptions, DeepSpeedLayout, Hardware
 from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
+from planner.pipeline_schedule import pipeline_bubble
 from training.config import RunConfig
 
 
@@ -106,15 +107,25 @@ def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_paralle
 
 
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
-                                recompute: str | None = None) -> float:
+                                recompute: str | None = None, pipeline_parallel_size: int | None = None) -> float:
     """Hardware FLOPs of one micro-batch's forward and backward on one GPU of the stage, the forwards that
     ``recompute`` (default: the config's mode) reruns included (module docstring)."""
     recompute = model.recompute if recompute is None else recompute
     s, h, t = model.seq_length, model.hidden_size, tensor_parallel_size
     layers = 3.0 * layer_forward_flops_per_token(model) * transformer_layers(count)
-    layers += recompute_flops_per_token(model, recompute) * recomputing_blocks(model, count, recompute)
+    layers += recompute_flops_per_token(model, recompute) * recomputing_blocks(model, count, recompute,
+                                                                                pipeline_parallel_size)
     logits = 6.0 * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
     return micro_batch * s * (layers + logits) / t
+
+
+def forward_share(model: ModelConfig, count: StageCount, tensor_parallel_size: int,
+                  pipeline_parallel_size: int | None = None) -> float:
+    """The forward's part of a micro-batch's FLOPs on this stage, the recompute counted in the backward (1/3 without
+    recompute, 1/4 with full): how a slot is split into F and B for the schedule replay."""
+    forward = stage_flops_per_micro_batch(model, count, 1, tensor_parallel_size, "none", pipeline_parallel_size) / 3
+    return forward / stage_flops_per_micro_batch(model, count, 1, tensor_parallel_size,
+                                                 pipeline_parallel_size=pipeline_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -133,11 +144,12 @@ class MicroBatchTime:
                            self.compute + self.tensor_parallel + self.pipeline_p2p + self.gradient_accumulation)
 
 
-def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> float:
+def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool,
+                                pipeline_parallel_size: int | None = None) -> float:
     """All-reduces of one (b, s, h) tensor over TP per micro-batch on this stage; with sequence parallelism the same
     ring volume in all-gathers and reduce-scatters, one of each per all-reduce (module docstring)."""
     blocks = transformer_layers(count)
-    rerun = recomputing_blocks(model, count, "full") if model.recompute == "full" else 0
+    rerun = recomputing_blocks(model, count, "full", pipeline_parallel_size) if model.recompute == "full" else 0
     # each column-parallel layer keeps its input's sequence shard: its backward all-gathers it again (half an
     # all-reduce's volume; 2 per block, 1 for the head)
     regather = (blocks + 0.5 * holds_head(count)) if sequence_parallel else 0.0
@@ -149,8 +161,11 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     sequence_parallel = config.parallelism.sequence_parallel and tp > 1
     hidden_tensor = hidden_tensor_bytes(model, b)
-    all_reduces = tensor_parallel_all_reduces(model, count, sequence_parallel)
-    transfers = 0 if pp == 1 else 2 * ((count.stage > 0) + (count.stage < pp - 1))
+    all_reduces = tensor_parallel_all_reduces(model, count, sequence_parallel, pp)
+    # per micro-batch, each stage boundary of the rank receives and sends an activation and a gradient; a DualPipeV
+    # rank has both of its stages' boundaries (the last rank turns micro-batches around without a transfer)
+    per_boundary = 4 if count.phases else 2
+    transfers = 0 if pp == 1 else per_boundary * ((count.stage > 0) + (count.stage < pp - 1))
     # with SP each rank sends its own sequence shard (pipe_partitioned is off); else 1/t and a TP all-gather when
     # DeepSpeed partitions the transfer, the whole tensor when it does not
     piece = hidden_tensor / tp if sequence_parallel or layout.pipe_partitioned else hidden_tensor
@@ -159,7 +174,7 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
     accumulation_bytes = 12 * count.parameters_per_tp_rank if layout.optimizer == "BF16_Optimizer" else 0
     return MicroBatchTime(
         stage=count.stage,
-        compute=stage_flops_per_micro_batch(model, count, b, tp) / rates.flops_per_s,
+        compute=stage_flops_per_micro_batch(model, count, b, tp, pipeline_parallel_size=pp) / rates.flops_per_s,
         tensor_parallel=all_reduces * ring_all_reduce_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s),
         pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
         gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s)
@@ -172,8 +187,10 @@ class IterationTime:
     global_batch: int
     micro_batches: int
     """m, per pipeline."""
+    schedule: str
+    """The stream the pipeline runs for this batch: "1f1b", "dualpipev" or "vshape" (DualPipeV's stages below 2p)."""
     bubble_fraction: float
-    """(p - 1) / m."""
+    """The bubble over the pipeline's compute, m slots: (p - 1) / m for 1F1B, the replay's otherwise."""
     micro_batch: MicroBatchTime
     """The slowest stage's slot, which paces the pipeline."""
     compute: float
@@ -244,9 +261,10 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
         reduce = ring_all_gather_seconds(gradients, d, rates.data_parallel_bytes_per_s)
         full_buffer_passes = layout.grad_bytes * n  # zero the .grad
     adam = (28 + layout.weight_bytes) * n / d
+    # the tied embedding's two ends live on the first and the last stage; under DualPipeV both on rank 0
+    tied_ranks = 2 if pp > 1 and model.tie_word_embeddings and not first.phases else 1
     return AfterPipeline(
-        tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, 2 if pp > 1 and model.tie_word_embeddings else 1,
-                                                      rates.pipeline_bytes_per_s),
+        tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, tied_ranks, rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,
         optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
         zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s),
@@ -258,22 +276,36 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
 
 def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[StageCount], data_parallel_size: int,
                    global_batch: int, hardware: Hardware, assumptions: Assumptions) -> IterationTime:
-    """1F1B: (m + p - 1) slots of the slowest stage, then the DP reduction, the step and the all-gather."""
+    """m slots of the slowest rank and the bubble (planner.pipeline_schedule.pipeline_bubble: (p - 1) slots for 1F1B,
+    the replay of the schedule's instruction streams otherwise), then the DP reduction, the step and the
+    all-gather."""
+    from model.pipe_schedules import schedule_for  # imports DeepSpeed
+
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     m = global_batch // (config.micro_batch_size * data_parallel_size)
+    schedule = schedule_for(config.parallelism.pipeline_schedule, m, pp)
     rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size)
-    slowest = max((micro_batch_time(config, layout, c, rates) for c in counts), key=lambda t: t.total)
+    slowest_count, slowest = max(((c, micro_batch_time(config, layout, c, rates)) for c in counts),
+                                 key=lambda pair: pair[1].total)
     after = after_pipeline_time(config, layout, counts[0], data_parallel_size, rates)
+    if schedule == "1f1b":
+        bubble, bubble_fraction = (pp - 1) * slowest.total, (pp - 1) / m
+    else:  # every rank costs the slowest one's slot, split into F and B, and over its two stages, by their FLOPs
+        forward = slowest.total * forward_share(config.model, slowest_count, tp, pp)
+        phases = [stage_flops_per_micro_batch(config.model, c, 1, tp, pipeline_parallel_size=pp)
+                  for c in slowest_count.phases]
+        shares = (phases[0] / sum(phases), phases[1] / sum(phases))
+        bubble = pipeline_bubble("dualpipev", pp, m, forward, slowest.total - forward, shares)
+        bubble_fraction = bubble / (m * slowest.total)
     parts = dict(compute=m * slowest.compute, tensor_parallel=m * slowest.tensor_parallel,
                  pipeline_p2p=m * slowest.pipeline_p2p, gradient_accumulation=m * slowest.gradient_accumulation,
-                 bubble=(pp - 1) * slowest.total, **dataclasses.asdict(after))
+                 bubble=bubble, **dataclasses.asdict(after))
     seconds = sum(parts.values())
     flops = flops_per_iteration(config.model, global_batch, tp, pipeline_parallel_size=pp)
     model_flops = model_flops_per_iteration(config.model, global_batch, tp)
     gpus = tp * pp * data_parallel_size
     achieved = tflops_per_gpu(flops, seconds, gpus)
-    return IterationTime(global_batch=global_batch, micro_batches=m, bubble_fraction=(pp - 1) / m,
-                         micro_batch=slowest, **parts, seconds=seconds, flops=flops, model_flops=model_flops,
-                         tflops_per_gpu=achieved, hfu=achieved / hardware.peak_tflops,
+    return IterationTime(global_batch=global_batch, micro_batches=m, schedule=schedule,
+                         bubble_fraction=bubble_fraction, micro_batch=slowest, **parts, seconds=seconds, flops=flops,
+                         model_flops=model_flops, tflops_per_gpu=achieved, hfu=achieved / hardware.peak_tflops,
                          mfu=tflops_per_gpu(model_flops, seconds, gpus) / hardware.peak_tflops)
-

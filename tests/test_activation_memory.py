@@ -61,8 +61,9 @@ LIBC = _libc()
 pytestmark = pytest.mark.skipif(LIBC is None, reason="needs glibc >= 2.33 (mallinfo2) to count allocated bytes")
 
 
-def _allocated_bytes() -> int:
-    gc.collect()
+def _allocated_bytes(collect: bool = True) -> int:
+    if collect:
+        gc.collect()
     info = LIBC.mallinfo2()
     return info.uordblks + info.hblkhd  # in use on the heaps + mmap-ed blocks (large tensors)
 
@@ -164,3 +165,129 @@ def test_recompute_and_sequence_parallelism_cut_memory_as_predicted(measured):
                 assert saved > 0 and abs((without - with_sp) - saved) <= 0.01 * saved + slack
             # "full" keeps the block output alone, whole without SP: halved at TP 2
             assert abs(2 * full - measured[(architecture, 2, False, attention, "full")]) <= slack
+
+
+# -- a DualPipeV pipeline at PP 4: what each rank keeps, instruction by instruction, against the planner -----------
+# 12 blocks in 8 stages of 2, 2, 2, 2, 1, 1, 1, 1: each rank holds 3 (2 out, 1 back), as 530B's 105 over PP 35 do.
+PIPELINE_SHAPE = dict(num_layers=12, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1000)
+PIPELINE_STAGES, PIPELINE_MICRO_BATCH = 4, 4
+# 2p = 8 micro-batches per pipeline run DeepSpeed's DualPipeVSchedule, 4 the V-shaped schedule of the ramp's start
+PIPELINE_BATCHES = {"dualpipev": 2 * PIPELINE_STAGES, "vshape": PIPELINE_STAGES}
+AFTER_THE_PIPELINE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+
+
+def _gradient_bytes(module: torch.nn.Module) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+
+
+def _pipeline_batch(count: int, seq_length: int, vocab: int, step: int):
+    generator = torch.Generator().manual_seed(step)
+    positions = torch.arange(seq_length).expand(PIPELINE_MICRO_BATCH, seq_length)
+    for _ in range(count):
+        tokens = torch.randint(vocab, (PIPELINE_MICRO_BATCH, seq_length + 1), generator=generator)
+        yield (tokens[:, :-1], positions), (tokens[:, 1:], torch.ones(PIPELINE_MICRO_BATCH, seq_length))
+
+
+def _pipeline_config(micro_batches: int):
+    """The run config of the measured pipeline, for the planner."""
+    from tests.test_model_parallel import deepspeed_config
+    from training.config import load_run_config
+
+    return dataclasses.replace(
+        load_run_config("ds_configs/tiny-cpu.json"), model=model_config(**PIPELINE_SHAPE),
+        parallelism=ParallelConfig(pipeline_parallel_size=PIPELINE_STAGES, pipeline_schedule="dualpipev"),
+        deepspeed={**deepspeed_config("fp32"), "train_micro_batch_size_per_gpu": PIPELINE_MICRO_BATCH,
+                   "train_batch_size": micro_batches * PIPELINE_MICRO_BATCH})
+
+
+def _measure_pipeline() -> dict[str, list[tuple[str, int]]]:
+    """{schedule: (instruction, bytes this rank holds above the batch's start after it, its parameters' gradients
+    left out) for each instruction of one train_batch}, after a warm-up batch of the same size."""
+    from training.engine import build_engine
+
+    config = _pipeline_config(max(PIPELINE_BATCHES.values()))
+    engine, _ = build_engine(config.model, config.parallelism, config.deepspeed, SEED)
+    trace: list[tuple[str, int]] = []
+    baseline = [0]
+
+    def measured(execute):
+        def run(self, *args, **kwargs):
+            execute(self, *args, **kwargs)
+            # no gc.collect() (40 ms a call here): the engine's tensors are freed by reference counts
+            trace.append((execute.__name__, _allocated_bytes(collect=False) - _gradient_bytes(engine.module)
+                          - baseline[0]))
+        return run
+
+    results = {}
+    for step, (name, count) in enumerate(PIPELINE_BATCHES.items()):
+        engine.set_train_batch_size(count * PIPELINE_MICRO_BATCH)
+        shape = (count, config.model.seq_length, config.model.vocab_size)
+        engine.train_batch(data_iter=_pipeline_batch(*shape, step))  # warm-up: gradients, optimizer states
+        engine._INSTRUCTION_MAP = {kind: measured(execute) for kind, execute in type(engine)._INSTRUCTION_MAP.items()}
+        time.sleep(0.05)
+        baseline[0] = _allocated_bytes() - _gradient_bytes(engine.module)
+        trace.clear()
+        engine.train_batch(data_iter=_pipeline_batch(*shape, 10 + step))
+        del engine._INSTRUCTION_MAP
+        results[name] = list(trace)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipeline_measured() -> list[dict[str, list[tuple[str, int]]]]:
+    return run_distributed(PIPELINE_STAGES, _measure_pipeline)
+
+
+def _planned(rank: int, micro_batches: int):
+    """The planner's StageMemory of ``rank``, and what it keeps after each instruction of the rank's stream (the
+    counts behind StageMemory: planner.pipeline_schedule.in_flight_states)."""
+    from planner.hardware import GPU_PRESETS, Assumptions, deepspeed_layout
+    from planner.memory import count_parameters, hidden_tensor_bytes, stage_activations, stage_memory
+    from planner.pipeline_schedule import in_flight_states
+
+    config = _pipeline_config(micro_batches)
+    count = count_parameters(config).stages[rank]
+    memory = stage_memory(config, deepspeed_layout(config), count, 1, micro_batches, GPU_PRESETS["a100-80gb"],
+                          Assumptions())
+    acts = [stage_activations(config.model, phase, PIPELINE_MICRO_BATCH, 1, pipeline_parallel_size=PIPELINE_STAGES)
+            for phase in count.phases]
+    per_micro_batch = [a.per_micro_batch + a.head_held for a in acts]
+    buffer = hidden_tensor_bytes(config.model, PIPELINE_MICRO_BATCH)
+    trace = [h0 * per_micro_batch[0] + h1 * per_micro_batch[1] + buffers * buffer
+             for h0, h1, buffers in in_flight_states(PIPELINE_STAGES, micro_batches, rank)]
+    return memory, trace
+
+
+@pytest.mark.distributed
+def test_dualpipev_activation_memory_per_rank_is_the_planners(pipeline_measured):
+    """What each rank holds after every instruction of a DualPipeV batch (m = 2p) and a V-shaped one (m = p) is the
+    planner's count: its stages' activations per micro-batch in flight, the received and to-be-sent (b, s, h)
+    buffers, and ZeRO's reduce bucket from the first backward until the reduction. The peak (the planner's
+    activations without the working set, plus its pipeline buffers) within 1% + 64 KiB; every instruction within
+    that bound of the peak (what else a forward leaves: autograd's nodes, about 40 KiB per stage and micro-batch)."""
+    rows = []
+    for rank, measured in enumerate(pipeline_measured):
+        for name, micro_batches in PIPELINE_BATCHES.items():
+            memory, trace = _planned(rank, micro_batches)
+            steps = measured[name]
+            assert [kind for kind, _ in steps[-3:]] == [f"_exec_{k}" for k in ("reduce_tied_grads", "reduce_grads",
+                                                                               "optimizer_step")]
+            pipeline = steps[:-3]
+            # the same stream: the state before the batch (rank 0 still holds the last loss's input and gradient,
+            # which the baseline includes), then one per instruction
+            start, trace = trace[0], trace[1:-3]
+            assert len(pipeline) == len(trace)
+            first_backward = next(i for i, (kind, _) in enumerate(pipeline) if kind == "_exec_backward_pass")
+            assert memory.reduce_buffer_in_backward and memory.reduce_buffer == 500_000_000 * 4  # ZeRO's default
+            got = [start + nbytes - (memory.reduce_buffer if i >= first_backward else 0)
+                   for i, (_, nbytes) in enumerate(pipeline)]
+            peak = memory.activations - memory.activations_working_set + memory.pipeline_buffers
+            assert max(trace) == peak
+            bound = 0.01 * peak + 64 * 1024
+            assert abs(max(got) - peak) <= bound, (rank, name, max(got), peak)
+            worst = max(abs(a - b) for a, b in zip(got, trace))
+            assert worst <= bound, (rank, name, worst, bound)
+            rows.append(f"rank {rank} {name:>9} (m {micro_batches}): measured peak {max(got):>11,} B, planned "
+                        f"{peak:>11,} B ({(max(got) - peak) / peak:+.2%}), {memory.micro_batches_held} micro-batch "
+                        f"stages held; largest difference over {len(got)} instructions {worst / 1024:.0f} KiB")
+    print("\n" + "\n".join(rows))

@@ -115,3 +115,103 @@ def _messages_per_commit(streams: list[list]) -> tuple[dict, dict]:
 def test_unknown_schedule_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="parallelism.pipeline_schedule must be one of"):
         simulate("interleaved", 4, 8, FORWARD, BACKWARD)
+
+
+# -- idle slots counted independently: each pass one slot, tensors matched by what they are ------------------------
+def _counted_idle_slots(schedule: str, stages: int, micro_batches: int) -> list[int]:
+    """Per rank, the slots without a pass when every pass takes one slot and the engines' rules hold: a tensor is
+    sent when its send runs (1F1B) or at the sender's next CommitP2P (DualPipeV launches the queued sends there); a
+    receive waits for its tensor at the instruction (1F1B) or at the next CommitP2P, which waits for all of them
+    (DualPipeV). Unlike the replay, tensors are matched by their identity (kind, micro-batch, stage), not by the
+    order of a channel."""
+    from planner.pipeline_schedule import instruction_streams
+
+    dual = schedule != "1f1b"
+    last = 2 * stages - 1 if dual else stages - 1
+    streams = instruction_streams(schedule, stages, micro_batches)
+    sent: dict[tuple, int] = {}  # (kind, micro-batch, receiving stage) -> slot it can be received from
+    clock, position, busy = [0] * stages, [0] * stages, [0] * stages
+    queued_sends: list[list[tuple]] = [[] for _ in range(stages)]
+    queued_receives: list[list[tuple]] = [[] for _ in range(stages)]
+    seen: list[dict[str, int]] = [{} for _ in range(stages)]  # 1F1B's cyclic buffers: count micro-batches instead
+
+    def identity(rank: int, instruction) -> tuple:
+        name, phase = type(instruction).__name__, getattr(instruction, "phase", 0)
+        stage = (rank if phase == 0 else last - rank) if dual else rank
+        if dual:
+            micro_batch = instruction.buffer_id - phase * micro_batches
+        else:
+            micro_batch = seen[rank].get(name, 0)
+            seen[rank][name] = micro_batch + 1
+        receiver = {"SendActivation": stage + 1, "SendGrad": stage - 1}.get(name, stage)
+        return ("activation" if "Activation" in name else "gradient", micro_batch, receiver)
+
+    def step(rank: int) -> bool:
+        instruction = streams[rank][position[rank]]
+        name = type(instruction).__name__
+        if name in ("ForwardPass", "BackwardPass"):
+            clock[rank] += 1
+            busy[rank] += 1
+        elif name.startswith("Send"):
+            key = identity(rank, instruction)
+            if dual:
+                queued_sends[rank].append(key)
+            else:
+                sent[key] = clock[rank]
+        elif name.startswith("Recv"):
+            key = identity(rank, instruction)
+            if dual:
+                queued_receives[rank].append(key)
+            elif key not in sent:
+                seen[rank][name] -= 1  # counted again when retried
+                return False
+            else:
+                clock[rank] = max(clock[rank], sent[key])
+        elif name == "CommitP2P":
+            for key in queued_sends[rank]:
+                sent[key] = clock[rank]
+            queued_sends[rank] = []
+            if any(key not in sent for key in queued_receives[rank]):
+                return False
+            clock[rank] = max([clock[rank]] + [sent[key] for key in queued_receives[rank]])
+            queued_receives[rank] = []
+        position[rank] += 1
+        return True
+
+    while any(position[r] < len(streams[r]) for r in range(stages)):
+        moved = False
+        for rank in range(stages):
+            while position[rank] < len(streams[rank]) and step(rank):
+                moved = True
+        assert moved, "the streams deadlock"
+    return [max(clock) - work for work in busy]
+
+
+@pytest.mark.parametrize("stages, micro_batches", CASES + [(p, m) for p in (2, 4, 8) for m in (1, p, 2 * p - 1)])
+def test_idle_slots_counted_per_rank_equal_the_simulation(stages, micro_batches):
+    """Each pass costs one slot (F = B = 2, each of DualPipeV's two stages half of it): the replay's idle time per
+    rank equals the idle slots counted pass by pass, for 1F1B ((p - 1) / m of the compute, 2 (p - 1) slots),
+    DualPipeV (m >= 2p) and the V-shaped schedule below it."""
+    for schedule in ("1f1b", "dualpipev"):
+        counted = _counted_idle_slots(schedule, stages, micro_batches)
+        unit = 2.0 if schedule != "1f1b" else 1.0
+        replay = simulate(schedule, stages, micro_batches, unit, unit)
+        assert list(replay.idle) == counted, (schedule, replay.idle, counted)
+        if schedule == "1f1b":
+            assert counted == [2 * (stages - 1)] * stages
+            assert Fraction(max(replay.idle)) / Fraction(replay.busy[0]) == Fraction(stages - 1, micro_batches)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8, 35])
+@pytest.mark.parametrize("ratio, shares", [(2.0, (0.5, 0.5)), (3.0, (0.5, 0.5)), (2.0, (2 / 3, 1 / 3))])
+def test_dualpipev_idle_does_not_grow_with_the_micro_batches(stages, ratio, shares):
+    """What the planner's pipeline_bubble relies on: from 2p micro-batches on, each one more adds a busy main-step
+    chunk to every rank, so the idle time of 2p is that of 4p and 16p (ratio B / F; shares: the two stages' parts,
+    2 / 3 and 1 / 3 for 530B's 2 + 1 blocks per rank)."""
+    from planner.pipeline_schedule import pipeline_bubble
+
+    at_2p = max(simulate("dualpipev", stages, 2 * stages, 1.0, ratio, shares).idle)
+    for micro_batches in ((4 * stages, 16 * stages) if stages < 35 else (4 * stages,)):
+        assert max(simulate("dualpipev", stages, micro_batches, 1.0, ratio, shares).idle) == pytest.approx(
+            at_2p, rel=1e-12)
+        assert pipeline_bubble("dualpipev", stages, micro_batches, 1.0, ratio, shares) == pytest.approx(at_2p)

@@ -112,19 +112,20 @@ def test_cli_search_finds_a_layout_at_least_as_fast_as_the_papers(capsys, parame
     """530B at 280 nodes: the best layout fits and is no slower than the paper's TP 8 x PP 35 with SP + selective."""
     status, out, err = run_cli(capsys, "--nodes", "280", "--search")
     assert status == 0 and err == ""
-    assert "576 layouts tried, 46 fit in 80 GiB" in out
+    assert "720 layouts tried, 67 fit in 80 GiB" in out  # 576 under 1F1B (46 fit), 144 under DualPipeV
     best = next(line for line in out.splitlines() if line.startswith("   1 "))
     assert best.split()[1:4] == ["8", "35", "8"]
     status, out, _ = run_cli(capsys, "--nodes", "280", "--search", "--json", "--top", "5")
     report = json.loads(out)
     assert status == 0 and len(report["layouts"]) == 5 and report["best"] == report["layouts"][0]
-    assert report["layouts_tried"] == 576 and 0 < report["layouts_fitting"] < 576
+    assert report["layouts_tried"] == 720 and 0 < report["layouts_fitting"] < 720
     papers = plan_cluster(load_run_config(RECIPE, SELECTIVE_SP), 280, A100, DEFAULTS, parameters)
     assert report["best"]["peak_memory_bytes"] <= 80 * 2**30
     assert report["best"]["iteration_seconds"] <= papers.full_batch.seconds
     seconds = [layout["iteration_seconds"] for layout in report["layouts"]]
     assert seconds == sorted(seconds)
-    assert {"recompute", "recompute_num_layers", "sequence_parallel", "mfu", "hfu"} <= set(report["best"])
+    assert {"recompute", "recompute_num_layers", "sequence_parallel", "pipeline_schedule", "mfu", "hfu"} <= \
+        set(report["best"])
 
 
 def test_search_enumerates_the_documented_layouts(recipe):
@@ -137,6 +138,14 @@ def test_search_enumerates_the_documented_layouts(recipe):
     at_paper = {(x.recompute, x.recompute_num_layers) for x in layouts
                 if (x.tensor_parallel_size, x.pipeline_parallel_size, x.micro_batch_size) == (8, 35, 1)}
     assert at_paper == {("none", None)} | {(m, n) for m in ("selective", "full") for n in (None, 1, 2)}
+    # DualPipeV where the full batch gives 2 PP micro-batches per pipeline: at TP 8 x PP 35 (DP 8) micro-batch 1 and
+    # 2 (240 and 120 per pipeline, against 70), not 4 (60)
+    dual = {(x.pipeline_parallel_size, x.micro_batch_size) for x in layouts if x.pipeline_schedule == "dualpipev"
+            and x.tensor_parallel_size == 8}
+    assert (35, 1) in dual and (35, 2) in dual and (35, 4) not in dual
+    assert all(1920 // (x.micro_batch_size * x.data_parallel_size) >= 2 * x.pipeline_parallel_size
+               for x in layouts if x.pipeline_schedule == "dualpipev")
+    layouts = [x for x in layouts if x.pipeline_schedule == "1f1b"]
     spread = {x.recompute_num_layers for x in layouts if x.pipeline_parallel_size == 7 and x.recompute == "full"}
     assert spread == {None, 2, 4, 6, 8, 9, 11, 13}  # 15 blocks a stage: 7 counts spread over them, and all
 
@@ -144,14 +153,14 @@ def test_search_enumerates_the_documented_layouts(recipe):
 def test_search_counts_each_parallel_split_once(recipe):
     calls = []
 
-    def counting(tp: int, pp: int):
+    def counting(tp: int, pp: int, schedule: str):
         from model.summary import count_stages
 
-        calls.append((tp, pp))
-        return count_stages(recipe.model, tp, pp)
+        calls.append((tp, pp, schedule))
+        return count_stages(recipe.model, tp, pp, pipeline_schedule=schedule)
 
     tried, results = search_layouts(recipe, 280, A100, DEFAULTS, counting)
-    assert len(calls) == len(set(calls)) == 8 and tried == 576
+    assert len(calls) == len(set(calls)) == 8 + 4 and tried == 720  # (TP, PP) under 1F1B, and DualPipeV's
     assert results and all(r.fits for r in results)
 
 
@@ -199,5 +208,5 @@ def test_json_keeps_every_key_and_value(capsys, monkeypatch, name):
     monkeypatch.chdir(ROOT)
     status = plan_main([*JSON_RUNS[name], "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert status == 0 and report["schema_version"] == SCHEMA_VERSION == 1
+    assert status == 0 and report["schema_version"] == SCHEMA_VERSION == 2
     assert differences(json.loads((GOLDEN / name).read_text()), report) == []

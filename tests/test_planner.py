@@ -32,6 +32,7 @@ from planner.ramp import suggest_ramp, training_time
 from planner.scaling import CHINCHILLA, chinchilla_optimal, compute_optimal, twenty_tokens_per_parameter
 from planner.timing import (
     iteration_time,
+    micro_batch_time,
     ring_all_gather_seconds,
     ring_all_reduce_seconds,
     stage_flops_per_micro_batch,
@@ -479,3 +480,56 @@ def test_530b_checkpoint_size_write_and_stall_by_hand(recipe, parameters):
     between = 100 * 56.0  # save_interval 100 in 530b.json
     assert cost.lost_share_sync == pytest.approx(cost.write_seconds / (between + cost.write_seconds), rel=1e-12)
     assert cost.lost_share_async < cost.lost_share_sync / 100
+
+
+# ------------------------------------------------------------------------------------------------------ DualPipeV
+SP_SELECTIVE = ["parallelism.sequence_parallel=true", 'model.recompute="selective"']
+DUALPIPEV = ['parallelism.pipeline_schedule="dualpipev"']
+
+
+def test_dualpipev_ranks_hold_two_stages_and_the_tied_embedding_once():
+    """530B's 105 blocks in 70 stages of 2 (the way out) and 1 (the way back): 3 a rank, as under 1F1B; rank 0
+    holds both ends of the tied embedding, built once, and the head's copy is not counted again."""
+    plain = count_parameters(load_run_config(RECIPE))
+    dual = count_parameters(load_run_config(RECIPE, DUALPIPEV))
+    assert dual.total == plain.total == dual.analytic_total
+    assert [len(c.blocks) for c in dual.stages] == [3] * 35
+    assert [c.phases[0].blocks for c in dual.stages[:2]] == [(1, 2), (3, 4)]
+    assert [c.phases[1].blocks for c in dual.stages[:2]] == [(105,), (104,)]
+    assert dual.stages[0].layers.count("WordEmbedding") == 1 and dual.stages[0].layers[-1] == "FinalLayerNorm"
+    assert dual.stages[0].parameters_per_tp_rank == N_FIRST + 20480 * 2  # + the final LayerNorm
+    assert dual.stages[34].phases[0].blocks == (69, 70) and dual.stages[34].phases[1].blocks == (71,)
+
+
+def test_dualpipev_plan_of_530b():
+    """TP 8 x PP 35 with SP + selective at 280 and 560 nodes, against 1F1B: the replayed bubble is smaller, the
+    tied-embedding reduce is gone, every middle rank sends and receives for both of its stages, and the ramp's
+    first steps (4 and 2 micro-batches per pipeline) run the V-shaped schedule."""
+    for nodes in (280, 560):
+        plain = plan_cluster(load_run_config(RECIPE, SP_SELECTIVE), nodes, A100, DEFAULTS,
+                             count_parameters(load_run_config(RECIPE, SP_SELECTIVE)))
+        config = load_run_config(RECIPE, SP_SELECTIVE + DUALPIPEV)
+        dual = plan_cluster(config, nodes, A100, DEFAULTS, count_parameters(config))
+        assert dual.ok, dual.errors
+        assert (dual.first_batch.schedule, dual.full_batch.schedule) == ("vshape", "dualpipev")
+        assert (plain.first_batch.schedule, plain.full_batch.schedule) == ("1f1b", "1f1b")
+        t, p = dual.full_batch, plain.full_batch
+        assert t.tied_embedding_reduce == 0 < p.tied_embedding_reduce
+        assert t.bubble_fraction < p.bubble_fraction == 34 / t.micro_batches
+        assert t.seconds < p.seconds
+        # a middle rank receives and sends an activation and a gradient at both ends of both of its stages
+        rates = sustained_rates(A100, DEFAULTS, 8, 35, dual.data_parallel_size)
+        middle = [micro_batch_time(c, deepspeed_layout(c), count_parameters(c).stages[1], rates).pipeline_p2p
+                  for c in (load_run_config(RECIPE, SP_SELECTIVE), config)]
+        assert middle[1] == pytest.approx(2 * middle[0], rel=1e-12)
+        memory = {m.stage: m for m in dual.memory}
+        assert memory[0].micro_batches_held > 35  # DualPipeV keeps more in flight than 1F1B's p on rank 0
+        assert all(m.fits for m in dual.memory)
+
+
+def test_dualpipev_needs_2p_micro_batches_at_the_full_batch():
+    config = load_run_config(RECIPE, DUALPIPEV + ["train_micro_batch_size_per_gpu=4"])
+    plan = plan_cluster(config, 280, A100, DEFAULTS, count_parameters(config))
+    assert plan.errors == ['parallelism.pipeline_schedule "dualpipev" needs at least 2 x PP = 70 micro-batches per '
+                           'pipeline at the full batch, and train_batch_size 1920 / (micro-batch 4 x DP 8) gives 60: '
+                           'raise train_batch_size to 2240 or more, use fewer nodes, or "1f1b"']
