@@ -193,7 +193,7 @@ MEMORY_ROWS = (
     ("  ..., if recompute none", "activations_none"),
     ("  ..., if recompute selective", "activations_selective"),
     ("  ..., if recompute full", "activations_full"),
-    ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer (ZeRO: through the backward)", "reduce_buffer"),
+    ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer", "reduce_buffer"),
     ("framework allowance", "framework_allowance"), ("peak", "total"), ("margin", "margin"),
 )
 
@@ -207,6 +207,9 @@ def format_memory(plan: Plan) -> str:
     for label, name in MEMORY_ROWS:
         if not any(getattr(m, name) for m in columns):
             continue  # a part this optimizer does not have
+        if name == "reduce_buffer":
+            label = ("ZeRO reduce bucket (with the activations)" if columns[0].reduce_buffer_in_backward
+                     else "DP reduce buffer (after the backward)")
         lines.append(f"  {label:<48}" + "".join(f"{_gib(getattr(m, name)):>11}" for m in columns))
     worst = plan.peak_memory()
     verdict = "fits" if worst.fits else "DOES NOT FIT"
@@ -227,7 +230,7 @@ def format_time(plan: Plan) -> str:
              f"  {'micro-batches per pipeline':<30}" + "".join(f"{t.micro_batches:>20}" for t in columns),
              f"  {'pipeline schedule':<30}" + "".join(f"{SCHEDULE_LABELS[t.schedule].split(' (')[0]:>20}"
                                                       for t in columns),
-             f"  {'bubble / compute (simulated)':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
+             f"  {'bubble / compute':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
     for name in TIME_ROWS:
         lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
             f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))

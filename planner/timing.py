@@ -30,8 +30,11 @@ Time of one iteration at global batch B
         gradient_accumulation (BF16_Optimizer) = 12 N_i bytes of HBM traffic (zero the bf16 grads, read them, read
                        and write the fp32 buffer).
     The 1F1B pipeline runs (m + p - 1) slots of the slowest stage: m slots of work and p - 1 of bubble, a bubble
-    fraction of (p - 1) / m. Then, not overlapped, on stage 0 (which ends last and holds most parameters):
-    the tied-embedding all-reduce (4 V h / t bytes, 2 ranks), with SP the TP all-reduce of the replicated
+    fraction of (p - 1) / m. Under DualPipeV a rank holds two stages (its p2p counts both stages' transfers, whole
+    tensors); its bubble is the replay of its instruction stream (planner/pipeline_schedule.py, pipeline_bubble)
+    with the slowest rank's slot split into F and B, and over the two stages, by their FLOPs.
+    Then, not overlapped, on stage 0 (which ends last and holds most parameters): the tied-embedding all-reduce
+    (4 V h / t bytes, 2 ranks; none under DualPipeV, whose rank 0 holds both ends), with SP the TP all-reduce of the replicated
     parameters' partial gradients (norms, row-parallel biases, the position table; fp32 under BF16_Optimizer), the
     DP gradient reduction, the optimizer step
     (HBM: Adam reads and writes master, m, v and reads the gradient, 28 N_i / d, writes the weights, weight_bytes N_i
