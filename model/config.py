@@ -314,6 +314,11 @@ class ModelConfig:
 PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # parallelism.pipeline_schedule; what each runs: model/pipe_schedules.py
 
 
+def stages_per_rank(pipeline_schedule: str) -> int:
+    """Pipeline stages a PP rank holds: 2 under DualPipeV (stage r and 2 PP - 1 - r), else 1."""
+    return 2 if pipeline_schedule == "dualpipev" else 1
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split: tensor x pipeline inside the world, data parallelism over what is left."""
@@ -347,11 +352,6 @@ class ParallelConfig:
         _require(self.pipeline_schedule == "1f1b" or self.pipeline_parallel_size >= 2,
                  "parallelism.pipeline_schedule \"dualpipev\" needs parallelism.pipeline_parallel_size >= 2 (it "
                  "fills the bubble between pipeline stages; with one stage there is none): use \"1f1b\"")
-
-    @property
-    def pipeline_stages(self) -> int:
-        """The stages the layers are cut into: PP, or 2 PP under DualPipeV."""
-        return self.pipeline_parallel_size * (2 if self.pipeline_schedule == "dualpipev" else 1)
 
     @property
     def model_parallel_size(self) -> int:

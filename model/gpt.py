@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
+from model.config import ModelConfig, stages_per_rank
 from model.init import normal_sharded_, parameter_seed
 from model.layers import (
     ColumnParallelLinear,
@@ -518,7 +518,7 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
             return pairs
 
     config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel,
-                          2 if pipeline_schedule == "dualpipev" else 1)
+                          stages_per_rank(pipeline_schedule))
     rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
     objective = GPTLoss(ctx, z_loss)
     module = GPTPipelineModule(

@@ -39,6 +39,7 @@ from functools import lru_cache
 from deepspeed.runtime.pipe import schedule as ds
 
 from model.config import PIPELINE_SCHEDULES
+
 PIPELINE_SCHEDULE_NAMES = {"1f1b": "1F1B", "dualpipev": "DualPipeV", "vshape": "the V-shaped 1F1B on DualPipeV's stages"}
 
 

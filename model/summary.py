@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import PRESETS, ModelConfig, preset
+from model.config import PRESETS, ModelConfig, preset, stages_per_rank
 from model.parallel import ParallelContext
 
 
@@ -107,9 +107,9 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
     stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends."""
     from model.gpt import gpt_layer_specs
 
-    stages_per_rank = 2 if pipeline_schedule == "dualpipev" else 1
-    config.check_parallel(tensor_parallel_size, pipeline_parallel_size, stages_per_rank=stages_per_rank)
-    stages = pipeline_parallel_size * stages_per_rank
+    per_rank = stages_per_rank(pipeline_schedule)
+    config.check_parallel(tensor_parallel_size, pipeline_parallel_size, stages_per_rank=per_rank)
+    stages = pipeline_parallel_size * per_rank
     bounds = stage_boundaries(config, stages)
     ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
                           pipeline_parallel_size=pipeline_parallel_size)
@@ -139,7 +139,7 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
                                                   else 1) for p in parameters),
             blocks=tuple(block_numbers[i] for i, _, _ in layers if i in block_numbers), phases=phases)
 
-    if stages_per_rank == 1:
+    if per_rank == 1:
         return [count(stage, [stage]) for stage in range(stages)]
     return [count(rank, [rank, stages - 1 - rank], (count(rank, [rank]), count(stages - 1 - rank, [stages - 1 - rank])))
             for rank in range(pipeline_parallel_size)]

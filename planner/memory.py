@@ -327,17 +327,16 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
                                  pipeline_parallel_size=pp)
 
     if count.phases:  # DualPipeV: what the rank's instruction stream keeps (module docstring)
-        totals, in_flight, parts = {}, {}, {}
+        totals = {}
         for mode in ALL_MODES:
             acts = [activations(phase, mode) for phase in count.phases]
-            flight = activations_in_flight("dualpipev", pp, micro_batches, count.stage,
+            flight = activations_in_flight(pp, micro_batches, count.stage,
                                            tuple(a.per_micro_batch + a.head_held for a in acts), received)
             working = max(a.working_set - a.head_held for a in acts)
-            totals[mode], in_flight[mode] = int(flight.peak_bytes - flight.buffers * received) + working, flight
-            parts[mode] = (sum(a.per_micro_batch + a.head_held for a in acts), working)
-        flight = in_flight[model.recompute]
-        held, (per_micro_batch, working_set) = sum(flight.held), parts[model.recompute]
-        buffers = int(flight.buffers * received)
+            totals[mode] = int(flight.peak_bytes - flight.buffers * received) + working
+            if mode == model.recompute:
+                per_micro_batch, working_set = sum(a.per_micro_batch + a.head_held for a in acts), working
+                held, buffers = sum(flight.held), int(flight.buffers * received)
     else:
         held = micro_batches_held(count.stage, pp, micro_batches)
         by_mode = {mode: activations(count, mode) for mode in ALL_MODES}

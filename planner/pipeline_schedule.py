@@ -192,13 +192,11 @@ class InFlight:
     """sum(held x per_micro_batch) + buffers x buffer_bytes there."""
 
 
-def activations_in_flight(schedule: str, stages: int, micro_batches: int, rank: int,
-                          per_micro_batch: tuple[float, float], buffer_bytes: float) -> InFlight:
+def activations_in_flight(stages: int, micro_batches: int, rank: int, per_micro_batch: tuple[float, float],
+                          buffer_bytes: float) -> InFlight:
     """What DualPipeVEngine keeps on ``rank`` through the batch (the module docstring's rules), with
     ``per_micro_batch`` the bytes each of its two stages keeps per micro-batch and ``buffer_bytes`` one received
-    tensor's: the peak over the rank's instruction boundaries."""
-    if schedule != "dualpipev":
-        raise ValueError("activations_in_flight counts DualPipeVEngine's buffers; 1F1B holds min(p - stage, m)")
+    tensor's: the peak over the rank's instruction boundaries (1F1B's stages hold min(p - stage, m) instead)."""
     peak = max(_distinct_states(stages, micro_batches, rank), key=lambda state: (
         state[0] * per_micro_batch[0] + state[1] * per_micro_batch[1] + state[2] * buffer_bytes, state))
     return InFlight(held=peak[:2], buffers=peak[2],

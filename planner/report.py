@@ -103,8 +103,7 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in groups)
 
 
-SCHEDULE_LABELS = {"1f1b": "1F1B", "dualpipev": "DualPipeV (rank r holds stages r and 2 PP - 1 - r)",
-                   "vshape": "V-shaped 1F1B"}
+SCHEDULE_LABELS = {"1f1b": "1F1B", "dualpipev": "DualPipeV", "vshape": "V-shaped 1F1B"}
 
 FLOPS_CONVENTION = ("TFLOP/s per GPU and HFU count hardware FLOPs (the recomputed forwards included); MFU counts model "
                     "FLOPs, 3 forwards' worth without recompute (PaLM's definition, what the trainer logs as mfu)")
@@ -126,7 +125,8 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
         f"seq {model.seq_length}, vocab {model.padded_vocab_size(tp):,} (padded); {model.precision}, recompute "
         f"{recompute_label(model)}; TP {tp} x PP {config.parallelism.pipeline_parallel_size}, sequence parallelism "
         f"{'on' if config.parallelism.sequence_parallel else 'off'}, micro-batch {config.micro_batch_size}, pipeline "
-        f"schedule {SCHEDULE_LABELS[config.parallelism.pipeline_schedule]}",
+        f"schedule {SCHEDULE_LABELS[config.parallelism.pipeline_schedule]}"
+        + (" (rank r holds stages r and 2 PP - 1 - r)" if config.parallelism.pipeline_schedule == "dualpipev" else ""),
         f"DeepSpeed: {layout.optimizer} (ZeRO-1), DP gradient reduction in {8 * layout.communication_bytes}-bit, "
         f"pipe_partitioned {layout.pipe_partitioned}",
         f"GPU {hardware.name}: {hardware.peak_tflops:g} TFLOP/s, {hardware.memory_gib:g} GiB, HBM "
@@ -228,7 +228,7 @@ def format_time(plan: Plan) -> str:
         else [plan.full_batch]
     lines = [f"  {'iteration, seconds (share)':<30}" + "".join(f"{f'batch {t.global_batch}':>20}" for t in columns),
              f"  {'micro-batches per pipeline':<30}" + "".join(f"{t.micro_batches:>20}" for t in columns),
-             f"  {'pipeline schedule':<30}" + "".join(f"{SCHEDULE_LABELS[t.schedule].split(' (')[0]:>20}"
+             f"  {'pipeline schedule':<30}" + "".join(f"{SCHEDULE_LABELS[t.schedule]:>20}"
                                                       for t in columns),
              f"  {'bubble / compute':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
     for name in TIME_ROWS:
@@ -317,7 +317,7 @@ def _layout_row(rank: int | str, result: LayoutResult) -> str:
     layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
     return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
             f"{layout.data_parallel_size:>5} {layout.micro_batch_size:>6} {'on' if layout.sequence_parallel else 'off':>4} "
-            f"{layout.recompute:>10} {layers!s:>9} {SCHEDULE_LABELS[layout.pipeline_schedule].split(' (')[0]:>10} "
+            f"{layout.recompute:>10} {layers!s:>9} {SCHEDULE_LABELS[layout.pipeline_schedule]:>10} "
             f"{result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
             f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}")
 
@@ -328,7 +328,7 @@ def describe_layout(result: LayoutResult) -> str:
     recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
     return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}, "
             f"micro-batch {layout.micro_batch_size}, sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
-            f"recompute {recompute}, {SCHEDULE_LABELS[layout.pipeline_schedule].split(' (')[0]}: "
+            f"recompute {recompute}, {SCHEDULE_LABELS[layout.pipeline_schedule]}: "
             f"{result.full_batch.seconds:.2f} s per iteration, "
             f"{result.peak_memory_bytes / GIB:.2f} GiB peak, MFU {result.full_batch.mfu:.1%}")
 

@@ -205,3 +205,18 @@ def test_a_dualpipev_checkpoint_exports_and_evaluates_as_the_1f1b_one(dualpipev_
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "dualpipev"))
     assert scores["dualpipev"]["acc,none"] == scores["1f1b"]["acc,none"]
     assert scores["dualpipev"]["perplexity,none"] == pytest.approx(scores["1f1b"]["perplexity,none"], rel=1e-4)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5, 8, 35])
+def test_deepspeeds_partition_gives_every_rank_its_share_of_the_blocks(stages):
+    """What the layout check relies on (model/config.py): DeepSpeed's partition of L = k PP blocks into 2 PP stages,
+    the larger first, gives rank r (stages r and 2 PP - 1 - r) k blocks for every k >= 2, odd k included (530B: 105
+    over PP 35, stages of 2 and 1)."""
+    from model.summary import count_stages
+    from tests.test_model_parallel import model_config
+
+    for blocks_per_rank in (2, 3, 4, 5):
+        config = model_config(num_layers=blocks_per_rank * stages)
+        counts = count_stages(config, 1, stages, pipeline_schedule="dualpipev")
+        assert [len(c.blocks) for c in counts] == [blocks_per_rank] * stages
+        assert sorted(n for c in counts for n in c.blocks) == list(range(1, config.num_layers + 1))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model.config import ModelConfig, ParallelConfig, preset, upgrade_model_fields
+from model.config import ModelConfig, ParallelConfig, preset, stages_per_rank, upgrade_model_fields
 from training.schedules import BatchRamp, LearningRateSchedule
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ class RunConfig:
         try:
             self.model.check_parallel(self.parallelism.tensor_parallel_size,
                                       self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel,
-                                      self.parallelism.pipeline_stages // self.parallelism.pipeline_parallel_size)
+                                      stages_per_rank(self.parallelism.pipeline_schedule))
         except ValueError as error:
             raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
         if self.parallelism.pipeline_schedule == "dualpipev" and self.training.eval_tasks:
