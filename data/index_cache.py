@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from common.files import atomic_open
 
 RECORD_VERSION = 1
 _CRC_CHUNK_BYTES = 1 << 24
@@ -78,11 +78,11 @@ class IndexCache:
             pass
         files = {}
         for name, array in arrays.items():
-            with _AtomicFile(self.path(key, name), "wb") as stream:
+            with atomic_open(self.path(key, name), "wb") as stream:
                 np.save(stream, np.ascontiguousarray(array), allow_pickle=False)
             files[name] = {"bytes": os.path.getsize(self.path(key, name)), "crc32": file_crc32(self.path(key, name))}
         record = {"version": RECORD_VERSION, "files": files, "description": dict(description)}
-        with _AtomicFile(self.record_path(key), "w") as stream:
+        with atomic_open(self.record_path(key), "w") as stream:
             json.dump(record, stream, indent=2, sort_keys=True)
 
     def load_or_build(self, key: str, names: Sequence[str], build: Callable[[], Mapping[str, np.ndarray]],
@@ -121,25 +121,6 @@ class IndexCache:
                     f"(data.cache_timeout_s). The first process of this node (LOCAL_RANK 0) builds it: see whether it "
                     f"failed, or raise the timeout if building takes longer on this file system")
             time.sleep(self.poll_s)
-
-
-class _AtomicFile:
-    """Open ``path + .tmp-<host>-<pid>-<random>`` for writing; rename it to ``path`` on success, remove it on error."""
-
-    def __init__(self, path: str, mode: str) -> None:
-        self.path = path
-        self.temporary = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.stream = open(self.temporary, mode)
-
-    def __enter__(self):
-        return self.stream
-
-    def __exit__(self, kind, error, traceback) -> None:
-        self.stream.close()
-        if kind is None:
-            os.replace(self.temporary, self.path)
-        else:
-            os.remove(self.temporary)
 
 
 def _signature(path: str) -> tuple[int, int, int] | None:

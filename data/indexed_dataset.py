@@ -31,6 +31,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from common.files import atomic_open, publish, temporary_name
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 D
@@ -79,10 +81,6 @@ def bin_path(prefix: str | os.PathLike) -> str:
 
 def stats_path(prefix: str | os.PathLike) -> str:
     return f"{os.fspath(prefix)}.stats.json"
-
-
-def _temporary_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
 
 
 class _SpilledArray:
@@ -141,10 +139,11 @@ class IndexedDatasetBuilder:
         dtype_code(self.dtype)  # raises for a dtype the format cannot name
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp = _temporary_name(bin_path(self.prefix))
+        self._bin_tmp = os.fspath(temporary_name(bin_path(self.prefix)))
+        self._idx_tmp = os.fspath(temporary_name(idx_path(self.prefix)))
         self._bin = open(self._bin_tmp, "wb")
-        self._sizes = _SpilledArray(_temporary_name(idx_path(self.prefix)) + ".sizes", np.dtype(np.int32))
-        self._docs = _SpilledArray(_temporary_name(idx_path(self.prefix)) + ".docs", np.dtype(np.int64))
+        self._sizes = _SpilledArray(self._idx_tmp + ".sizes", np.dtype(np.int32))
+        self._docs = _SpilledArray(self._idx_tmp + ".docs", np.dtype(np.int64))
         self._docs.append(np.zeros(1, dtype=np.int64))
         self.num_sequences = 0
         self.num_tokens = 0
@@ -228,15 +227,14 @@ class IndexedDatasetBuilder:
         if self._done:
             raise RuntimeError(f"{self.prefix}: finalize() was already called")
         self._bin.close()
-        idx_tmp = _temporary_name(idx_path(self.prefix))
         try:
-            with open(idx_tmp, "wb") as stream:
+            with open(self._idx_tmp, "wb") as stream:
                 self._write_index(stream)
         except BaseException:
             self.discard()
             raise
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(idx_tmp, idx_path(self.prefix))
+        publish(self._bin_tmp, bin_path(self.prefix))
+        publish(self._idx_tmp, idx_path(self.prefix))
         self._sizes.remove()
         self._docs.remove()
         self._done = True
@@ -261,7 +259,7 @@ class IndexedDatasetBuilder:
     def discard(self) -> None:
         """Delete the temporary files; nothing at ``prefix`` is changed."""
         self._bin.close()
-        for path in (self._bin_tmp, _temporary_name(idx_path(self.prefix))):
+        for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.remove(path)
         self._sizes.remove()
@@ -277,10 +275,8 @@ def write_stats(prefix: str, max_token_id: int, num_tokens: int) -> None:
         "idx_bytes": os.path.getsize(idx_path(prefix)),
         "bin_bytes": os.path.getsize(bin_path(prefix)),
     }
-    temporary = _temporary_name(stats_path(prefix))
-    with open(temporary, "w") as stream:
+    with atomic_open(stats_path(prefix), "w") as stream:
         json.dump(record, stream)
-    os.replace(temporary, stats_path(prefix))
 
 
 def _read_header(path: str) -> tuple[np.dtype, int, int]:

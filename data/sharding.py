@@ -22,6 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.files import atomic_open
 from data.indexed_dataset import IndexedDataset, bin_path, idx_path, merge_datasets
 
 _SCAN_BYTES = 1 << 20  # bytes read at a time when looking for a line start or counting lines
@@ -147,12 +148,8 @@ def dataset_record(prefix: str) -> dict:
 
 def write_manifest(prefix: str, record: dict) -> None:
     """Write the manifest through a temporary name: it exists only once every dataset of the shard is complete."""
-    temporary = f"{manifest_path(prefix)}.tmp-{os.getpid()}"
-    with open(temporary, "w") as stream:
+    with atomic_open(manifest_path(prefix), "w") as stream:
         json.dump(record, stream, indent=1)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, manifest_path(prefix))
 
 
 def remove_manifest(prefix: str) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+from common.files import write_bytes_atomically
 from data.tiktoken_bpe import (
     NotExactError,
     TiktokenEncoder,
@@ -343,8 +344,5 @@ def train_sentencepiece(
     )
     path = f"{model_prefix}.model"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as stream:
-        stream.write(model.getvalue())
-    os.replace(temporary, path)
+    write_bytes_atomically(path, model.getvalue())
     return path

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from common.files import publish as publish_directory
+
 
 def staging_directory(output: Path) -> Path:
     """A sibling of ``output`` (same filesystem, so the final rename is atomic)."""
@@ -24,7 +26,7 @@ def staging_directory(output: Path) -> Path:
 def publish(staging: Path, output: Path) -> None:
     if output.exists():
         output.rmdir()  # empty (checked before starting)
-    os.rename(staging, output)
+    publish_directory(staging, output)  # its files synced, renamed, the parent directory synced
 
 
 def progress_bar(items: Iterable, description: str, enabled: bool):

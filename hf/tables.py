@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-
+from common.dtypes import torch_dtypes
 from model.config import ModelConfig
 
 HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = torch_dtypes()
+"""{"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}: common/dtypes.py's table, kept here by name
+for the code that imports it from hf."""
 
 
 # Our tensors, by (layer kind, state_dict key): unsharded dims (symbols of ``_dimensions``) and the dimension split

@@ -16,8 +16,9 @@ Nothing here imports torch or DeepSpeed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from common.files import write_text_atomically
 
 LATEST = "latest"
 RECORD = "checkpoint.json"
@@ -41,22 +42,7 @@ def read_latest(directory: str | Path) -> str | None:
 
 def write_latest(directory: str | Path, tag: str) -> None:
     """Atomically point ``latest`` at ``tag``."""
-    directory = Path(directory)
-    temporary = directory / f".{LATEST}.tmp"
-    with open(temporary, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, directory / LATEST)
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_text_atomically(Path(directory) / LATEST, tag)
 
 
 def layer_file(tag_directory: Path, layer_index: int, tensor_parallel_rank: int) -> Path:

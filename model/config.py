@@ -14,7 +14,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from common.dtypes import PRECISIONS
+
 ACTIVATIONS = ("gelu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")

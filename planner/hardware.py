@@ -29,12 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.dtypes import BYTES_PER_ELEMENT as DTYPE_BYTES
+from common.dtypes import precision_name
 from training.config import RunConfig
 
 GIB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "torch.float32": "fp32", "bfloat16": "bf16",
-                 "torch.bfloat16": "bf16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 """zero_optimization.reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
 ATTENTION_SCORES = ("recomputed", "stored")
@@ -137,13 +136,6 @@ class DeepSpeedLayout:
     """Stages exchange 1/t of each activation per TP rank and all-gather it over TP (DeepSpeed's default)."""
 
 
-def _dtype(name: str) -> str:
-    name = DTYPE_ALIASES.get(str(name), str(name))
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(DTYPE_BYTES)}")
-    return name
-
-
 def deepspeed_layout(config: RunConfig) -> DeepSpeedLayout:
     """Which optimizer wrapper DeepSpeed 0.19.8 picks for this config, and what it holds (module docstring)."""
     ds = config.deepspeed
@@ -152,8 +144,8 @@ def deepspeed_layout(config: RunConfig) -> DeepSpeedLayout:
         raise ValueError(f"{config.source}: zero_optimization.stage is {zero.get('stage', 0)}; the planner models "
                          f"ZeRO stage 1 (the recipe's): set zero_optimization.stage=1")
     precision = config.model.precision
-    accumulation = _dtype(ds.get("data_types", {}).get("grad_accum_dtype") or precision)
-    communication = _dtype(ds.get("communication_data_type") or precision)
+    accumulation = precision_name(ds.get("data_types", {}).get("grad_accum_dtype") or precision)
+    communication = precision_name(ds.get("communication_data_type") or precision)
     weight = DTYPE_BYTES[precision]
     # with SP the engine turns pipe_partitioned off (each TP rank sends its own sequence shard: training/engine.py),
     # and under DualPipeV, which sends whole tensors

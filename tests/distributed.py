@@ -11,7 +11,6 @@ A failure on any rank fails the caller with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from common.net import free_port
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -42,12 +43,6 @@ def _fp16_unsupported_reason() -> str | None:
 # The one place that decides whether the fp16 tests run here: skipped, with the reason, on CPUs without fp16.
 FP16_UNSUPPORTED = _fp16_unsupported_reason()
 requires_fp16 = pytest.mark.skipif(FP16_UNSUPPORTED is not None, reason=str(FP16_UNSUPPORTED))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_environment(rank: int, world_size: int, port: int) -> dict[str, str]:

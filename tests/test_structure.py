@@ -2,14 +2,15 @@
 
 The packages in layers, each importing only from layers below it (and from itself):
 
-    0  data/                     indexed datasets, tokenizers, samples, blending, the loader
-    1  model/                    the model, its parallel layers, its parameter and FLOP counts, the checkpoint files
-    2  hf/, planner/             Hugging Face conversion; planning a run (they do not import each other)
-    3  evaluation/               inference pipeline, generation, the lm-evaluation-harness model, its tasks
-    4  training/                 the loop, the engine, checkpoints, schedules, metrics, the run config
-    5  lab/                      the stability lab: sweeps of short runs, LR sensitivity, the learning-rate projection
-    6  tools/, train.py          command-line programs
-    7  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
+    0  common/                   the floor: DeepSpeed's private API behind one door, devices, atomic files
+    1  data/                     indexed datasets, tokenizers, samples, blending, the loader
+    2  model/                    the model, its parallel layers, its parameter and FLOP counts, the checkpoint files
+    3  hf/, planner/             Hugging Face conversion; planning a run (they do not import each other)
+    4  evaluation/               inference pipeline, generation, the lm-evaluation-harness model, its tasks
+    5  training/                 the loop, the engine, checkpoints, schedules, metrics, the run config
+    6  lab/                      the stability lab: sweeps of short runs, LR sensitivity, the learning-rate projection
+    7  tools/, train.py          command-line programs
+    8  benchmarks/, scripts/, tests/      (these three may import each other: benchmarks use the tests' launcher)
 
 One exception, and why: planner/ reads the run configuration, training/config.py and the batch ramp that it builds
 (training/schedules.py, pure arithmetic). Moving RunConfig below the planner would move the whole config; nothing in
@@ -27,9 +28,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"data": 0, "model": 1, "hf": 2, "planner": 2, "evaluation": 3, "training": 4, "lab": 5, "tools": 6,
-          "train": 6, "benchmarks": 7, "scripts": 7, "tests": 7}
-TOP = 7  # benchmarks and scripts may use the tests' launch helpers
+LAYERS = {"common": 0, "data": 1, "model": 2, "hf": 3, "planner": 3, "evaluation": 4, "training": 5, "lab": 6,
+          "tools": 7, "train": 7, "benchmarks": 8, "scripts": 8, "tests": 8}
+TOP = 8  # benchmarks and scripts may use the tests' launch helpers
 ALLOWED_UPWARD = {"planner": {"training.config", "training.schedules"}}
 MAX_MODULE_LINES = 600
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from common.files import write_text_atomically
 from tools.inference_options import add_model_options, is_rank_zero, open_pipeline, run_and_clean_up
 from tools.streams import deepspeed_logs_to_stderr
 
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank_zero():
             lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
             if args.output:
-                path = Path(args.output)
-                partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-                partial.write_text(lines, encoding="utf-8")
-                os.replace(partial, path)
+                write_text_atomically(Path(args.output), lines)
             else:
                 sys.stdout.write(lines)
         return 0

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from common.dtypes import PRECISIONS as DTYPES
+from common.dtypes import torch_dtype
 from model.config import ParallelConfig, set_option
-
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -62,11 +62,9 @@ def layout(args: argparse.Namespace) -> ParallelConfig:
 
 def open_pipeline(args: argparse.Namespace):
     """(pipeline, tokenizer, checkpoint) of this rank at the requested layout."""
-    import torch
-
     from evaluation.loading import checkpoint_tokenizer, load_pipeline
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    dtype = torch_dtype(args.dtype) if args.dtype else None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's PipelineModule prints its partition: not a result
         pipeline, checkpoint = load_pipeline(Path(args.checkpoint), args.tag, layout(args), dtype)
     return pipeline, checkpoint_tokenizer(checkpoint, args.tokenizer), checkpoint
