@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from common import deepspeed_internals as ds_internals
+from common.net import free_port
 from evaluation.pipeline import Pipeline, Stage
 from hf.checkpoint_reader import Checkpoint, open_checkpoint, read_layer
 from hf.tables import PRECISION_DTYPES, LayerMap, layer_maps
@@ -36,12 +38,7 @@ def one_process_defaults() -> None:
     """A plain ``python tools/x.py`` (no launcher) is a world of one: the variables a launcher would set."""
     if "RANK" in os.environ:
         return
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def layer_state(checkpoint: Checkpoint, layer: LayerMap, model: ModelConfig, tensor_parallel_size: int,
@@ -63,12 +60,12 @@ def _load_stage_weights(module, checkpoint: Checkpoint, model: ModelConfig, ctx:
     """Every layer of this rank's stage (the tied head: the embedding it shares, layer 0)."""
     maps = {layer.index: layer for layer in layer_maps(model)}
     head = model.num_layers + 3
-    for index in range(module._local_start, module._local_stop):
+    for index in ds_internals.stage_layer_indices(module):
         source = 0 if index == head and model.tie_word_embeddings else index
         if model.tie_word_embeddings and source == 0:
-            target = module.tied_modules["word_embeddings"]
+            target = ds_internals.tied_module(module, "word_embeddings")
         else:
-            target = module._modules[str(index)]
+            target = ds_internals.stage_layer(module, index)
         state = layer_state(checkpoint, maps[source], model, ctx.tensor_parallel_size, ctx.tensor_parallel_rank)
         target.load_state_dict(state, strict=True)
 
@@ -91,7 +88,7 @@ def load_stage(checkpoint_dir: str | Path, tag: str | None = None, parallel: Par
     with torch.no_grad():
         _load_stage_weights(module, checkpoint, model, ctx)
     module.to(dtype or PRECISION_DTYPES[model.precision]).eval()
-    return Stage(list(module.forward_funcs), module, ctx, model), checkpoint
+    return Stage(ds_internals.stage_forward_functions(module), module, ctx, model), checkpoint
 
 
 def load_pipeline(checkpoint_dir: str | Path, tag: str | None = None, parallel: ParallelConfig | None = None,

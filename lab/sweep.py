@@ -32,14 +32,12 @@ run directory is deleted and the run starts from scratch.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +46,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
+from common.deepspeed_internals import launcher_command
+from common.files import write_json_atomically
+from common.net import free_port
 from lab.grid import Grid, GridError, RunSpec, load_grid, plan_runs, read_base
 
 SCHEMA_VERSION = 1
@@ -167,12 +168,6 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "min_log_z": min(log_z) if log_z else None}
 
 
-def write_json_atomically(path: Path, value: Any) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(temporary, path)
-
-
 def read_result(run_dir: Path) -> RunResult | None:
     """The run's result.json, or None when it has none (or an unreadable one: the run is rerun)."""
     try:
@@ -185,21 +180,12 @@ def read_result(run_dir: Path) -> RunResult | None:
 # ------------------------------------------------------------------------------------------------------ launching
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch_command(spec: RunSpec, grid: Grid, port: int, slot: int = 0) -> list[str]:
     """What ``deepspeed --num_gpus N train.py ...`` starts on one node: DeepSpeed's per-node launcher. ``slot``: the
     run's place among those running at once; slot k gets devices k N .. k N + N - 1 (the launcher makes them the
     run's visible devices on GPUs), so runs side by side never share a GPU."""
     devices = list(range(slot * spec.world_size, (slot + 1) * spec.world_size))
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": devices}).encode()).decode()
-    command = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-               "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}", str(TRAIN_SCRIPT),
-               "--ds_config", grid.base]
+    command = [*launcher_command(devices, port), str(TRAIN_SCRIPT), "--ds_config", grid.base]
     for item in spec.overrides:
         command += ["--set", item]
     return command

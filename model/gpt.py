@@ -504,8 +504,7 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
     ``pipeline_schedule`` "dualpipev" builds DeepSpeed's DualPipeVModule instead: the same layer list cut into 2 PP
     stages, this rank holding stage r and 2 PP - 1 - r (so both ends of the tied embedding, on rank 0: its gradient
     needs no all-reduce over the pipeline). Layer files in checkpoints are named by layer index, as under 1F1B."""
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    from deepspeed.pipe import DualPipeVModule, PipelineModule
 
     base = DualPipeVModule if pipeline_schedule == "dualpipev" else PipelineModule
 

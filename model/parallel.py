@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from common import deepspeed_internals as ds_internals
 from model.config import ParallelConfig
 
 
@@ -130,7 +130,7 @@ def init_distributed(timeout_minutes: int = 30, rendezvous_timeout_s: float | No
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed compiles a shared-memory all-reduce on first use on CPU (30 s); gloo alone is enough for the
         # CPU runs of this project (tests and demos), so skip the compile.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        ds_internals.skip_shared_memory_allreduce()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                timeout=datetime.timedelta(minutes=timeout_minutes))
     if get_accelerator().device_name() != "cpu":
@@ -148,12 +148,10 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
     GPUs) the data-parallel groups built here before were 280 such splits. The TP groups have the ranks of the grid's
     slice groups (560 more there); tests/test_process_groups.py counts every call.
     """
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
     world_size = dist.get_world_size()
     dp_size = parallel.data_parallel_size(world_size)
-    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_parallel_size,
-                                             num_mp=parallel.tensor_parallel_size, num_dp=dp_size)
+    topology = ds_internals.pipe_data_model_topology(parallel.pipeline_parallel_size, parallel.tensor_parallel_size,
+                                                     dp_size)
     rank = dist.get_rank()
     tp_group = _my_group(topology.get_axis_comm_lists("model"), rank)
     coord = topology.get_coord(rank)
@@ -177,9 +175,3 @@ def _my_group(rank_lists: list[list[int]], rank: int) -> Any:
         if rank in ranks:
             mine = group
     return mine
-
-
-def device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))

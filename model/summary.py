@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import deepspeed_internals as ds_internals
 from model.config import PRESETS, ModelConfig, preset, stages_per_rank
 from model.parallel import ParallelContext
 
@@ -39,13 +40,11 @@ class StageCount:
 
 def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[int]:
     """DeepSpeed's partition_balanced over the transformer blocks (the 'type:TransformerLayer' method)."""
-    from deepspeed.runtime.utils import partition_balanced
-
     from model.gpt import gpt_layer_specs
 
     specs = gpt_layer_specs(config, ParallelContext(), seed=0)
     weights = [1 if spec.typename.__name__ == "TransformerLayer" else 0 for spec in specs]
-    return partition_balanced(weights=weights, num_parts=pipeline_parallel_size)
+    return ds_internals.partition_balanced(weights, pipeline_parallel_size)
 
 
 def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:

@@ -41,8 +41,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from model.config import PIPELINE_SCHEDULES as SCHEDULES
-
 
 @dataclass(frozen=True)
 class ScheduleSimulation:
@@ -212,7 +210,7 @@ def _distinct_states(stages: int, micro_batches: int, rank: int) -> frozenset[tu
 def in_flight_states(stages: int, micro_batches: int, rank: int) -> tuple[tuple[int, int, int], ...]:
     """(held in phase 0, held in phase 1, buffers) before the batch, then after each instruction of ``rank``'s
     DualPipeV stream. Rank 0 starts with the previous batch's last loss input and gradient (module docstring)."""
-    first, last = rank == 0, rank == stages - 1
+    first = rank == 0
     held, buffers, to_send, kept_by_the_loss = [0, 0], 2 * first, 0, 2 * first
     states = [(0, 0, buffers)]
     for instruction in _streams("dualpipev", stages, micro_batches)[rank]:

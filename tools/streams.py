@@ -12,6 +12,8 @@ import contextlib
 import logging
 import sys
 
+from common.deepspeed_internals import deepspeed_logger
+
 
 class _CurrentStderr:
     """Whatever sys.stderr is at each write: a handler outlives the streams that tests (capsys) swap in and close."""
@@ -30,7 +32,7 @@ def deepspeed_logs_to_stderr() -> None:
     the accelerator warning its import logs lands there. A handler created by an earlier import is repointed too.
     """
     with contextlib.redirect_stdout(sys.stderr):
-        from deepspeed.utils.logging import logger
+        logger = deepspeed_logger()
     for handler in logger.handlers:
         if type(handler) is logging.StreamHandler:  # not a FileHandler someone added on purpose
             handler.setStream(_CurrentStderr())

@@ -7,10 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from common import deepspeed_internals as ds_internals
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
-from model.pipe_schedules import schedule_for, train_schedule
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
+from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
 
 
@@ -40,26 +41,6 @@ def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any], why: str = S
     return {**deepspeed_config, "pipeline": {**pipeline, "pipe_partitioned": False, "grad_partitioned": False}}
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-def _skip_muon_kernels(deepspeed_config: dict[str, Any]) -> None:
-    """DeepSpeed 0.19.8 imports its Muon optimizer module wherever it asks whether the optimizer is Muon (the ZeRO
-    support check, BF16_Optimizer's and ZeRO-1's gradient paths: ``isinstance(optimizer, MuonWithAuxAdam)``), and
-    that import compiles Muon's kernels with torch.compile: 1.2-1.7 s on every rank at every start, measured on CPU,
-    for an optimizer the run does not use. A run whose optimizer is not Muon gets, in its place, a module whose
-    MuonWithAuxAdam is a class no optimizer is an instance of: every such check answers "not Muon", as it does.
-    The real module (and Muon's update, imported only once an optimizer is Muon) is left alone otherwise."""
-    import sys
-    import types
-
-    if "muon" in str(deepspeed_config.get("optimizer", {}).get("type", "")).lower() or MUON_MODULE in sys.modules:
-        return
-    stub = types.ModuleType(MUON_MODULE, "stands in for DeepSpeed's Muon optimizer module (training/engine.py)")
-    stub.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__doc__": "no optimizer of this run is Muon"})
-    sys.modules[MUON_MODULE] = stub
-
-
 def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
                  seed: int, z_loss: float = 0.0) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
@@ -87,49 +68,24 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     torch.manual_seed(default_stream_seed(seed, context))
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss, schedule)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    _skip_muon_kernels(deepspeed_config)
+    ds_internals.skip_muon_kernels(str(deepspeed_config.get("optimizer", {}).get("type", "")))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),
                                            config=deepspeed_config)
     if schedule == "dualpipev":
-        engine.__class__ = _dualpipev_engine_with_short_batches()
+        ds_internals.run_short_batches_as(engine, _dualpipev_or_vshape)
     return engine, context
 
 
 def pipeline_schedule_of(engine: Any, micro_batches: int | None = None) -> str:
     """The stream the engine runs for a batch of ``micro_batches`` (default: the current batch): "1f1b", "dualpipev",
     or "vshape" (DualPipeV's module below 2 PP micro-batches, model/pipe_schedules.py)."""
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-
     micro_batches = engine.micro_batches if micro_batches is None else micro_batches
-    return schedule_for("dualpipev" if isinstance(engine, DualPipeVEngine) else "1f1b", micro_batches,
+    return schedule_for("dualpipev" if ds_internals.is_dualpipev_engine(engine) else "1f1b", micro_batches,
                         engine.num_stages)
 
 
-def _dualpipev_engine_with_short_batches() -> type:
-    """DeepSpeed's DualPipeVEngine (what deepspeed.initialize builds for a DualPipeVModule) that runs a batch of fewer
-    than 2 PP micro-batches, which DualPipeVSchedule refuses, with the V-shaped schedule on the same module. The
-    engine is DeepSpeed's: only the choice of the schedule for a batch is added. Its class becomes this subclass
-    after deepspeed.initialize, which picks the engine class itself."""
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-
-    class DualPipeVEngineWithShortBatches(DualPipeVEngine):
-        # Both schedules number a micro-batch's phase-1 buffer micro_batch + m, with m the micro-batches of the
-        # schedule being run. DualPipeVEngine adds the training batch's count instead, which differs for an
-        # eval_batch of another size (the stability probe's one micro-batch): the turn-around would then hand the
-        # phase-1 forward a buffer nobody filled. The engine follows the schedule it runs.
-        _schedule_micro_batches = None
-
-        def _phase1_buffer(self, buffer_id):
-            return buffer_id + (self._schedule_micro_batches or self.micro_batches)
-
-        def _train_schedule(self):
-            self._schedule_micro_batches = self.micro_batches
-            name = schedule_for("dualpipev", self.micro_batches, self.num_stages)
-            return train_schedule(name, self.micro_batches, self.num_stages, self.stage_id)
-
-        def _inference_schedule(self, micro_batches):
-            self._schedule_micro_batches = micro_batches
-            name = schedule_for("dualpipev", micro_batches, self.num_stages)
-            return train_schedule(name, micro_batches, self.num_stages, self.stage_id, forward_only=True)
-
-    return DualPipeVEngineWithShortBatches
+def _dualpipev_or_vshape(micro_batches: int, stages: int, stage_id: int, forward_only: bool) -> Any:
+    """The schedule a DualPipeV engine runs for a batch (common/deepspeed_internals.py, run_short_batches_as):
+    DeepSpeed's DualPipeVSchedule from 2 PP micro-batches up, the V-shaped one on the same module below."""
+    name = schedule_for("dualpipev", micro_batches, stages)
+    return train_schedule(name, micro_batches, stages, stage_id, forward_only=forward_only)

@@ -34,11 +34,13 @@ loss scale, as an overflow does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from common import deepspeed_internals as ds_internals
 from training.spikes import DEFAULT_MIN_INCREASE_NATS, DEFAULT_RATIO, SpikeDetector
 
 RETIRED_KEYS = ("window", "threshold_std", "min_increase")
@@ -153,9 +155,10 @@ class SpikeGuard:
 
 def attach_spike_guard(engine: Any, guard: SpikeGuard) -> None:
     """Route the pipeline's loss function through the guard (only the last stage computes a loss)."""
-    loss_fn = engine.module.loss_fn
+    def guarded(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def guarded_loss(outputs, labels):
+            return guard.observe(loss_fn(outputs, labels))
 
-    def guarded_loss(outputs, labels):
-        return guard.observe(loss_fn(outputs, labels))
+        return guarded_loss
 
-    engine.module.loss_fn = guarded_loss
+    ds_internals.wrap_loss(engine, guarded)

@@ -63,7 +63,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.parallel import ParallelContext, device
+from common.deepspeed_internals import accumulated_gradients, norm_dtype, run_before_instruction
+from common.device import accelerator_device, device_of
+from model.parallel import ParallelContext
 
 
 class GradientNoiseScale:
@@ -143,22 +145,6 @@ def counts_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int) -> bool
     return bool(sharded) or tensor_parallel_rank == 0
 
 
-def accumulated_gradients(optimizer: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-    """(parameter, this replica's accumulated gradient) before the DP reduction, for DeepSpeed's ZeRO-1 and
-    BF16 optimizers (see the module docstring for where each keeps them)."""
-    if hasattr(optimizer, "fp32_groups_gradients") and hasattr(optimizer, "bf16_groups"):  # BF16_Optimizer
-        return [(param, optimizer.fp32_groups_gradients[i][j])
-                for i, group in enumerate(optimizer.bf16_groups) for j, param in enumerate(group)]
-    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "get_gradient_for_reduction"):  # ZeRO 1/2
-        if getattr(optimizer, "partition_gradients", False):
-            raise ValueError("the noise scale needs the whole local gradient before the data-parallel reduction; "
-                             "ZeRO stage 2 reduces it during backward: use zero_optimization.stage 1")
-        return [(param, optimizer.get_gradient_for_reduction(param))
-                for group in optimizer.bit16_groups for param in group]
-    raise ValueError(f"the noise scale reads the accumulated gradients of DeepSpeed's ZeRO-1 optimizer or its "
-                     f"BF16_Optimizer, not of {type(optimizer).__name__}: set zero_optimization.stage to 1")
-
-
 class NoiseScaleMonitor:
     """Measures |G_small|^2 and |G_big|^2 at every ``engine.train_batch`` of a DeepSpeed PipelineEngine.
 
@@ -186,18 +172,10 @@ class NoiseScaleMonitor:
         self._install_hook()
 
     def _install_hook(self) -> None:
-        from deepspeed.runtime.pipe import schedule
+        run_before_instruction(self.engine, "ReduceGrads", self._measure)
 
-        instructions = dict(self.engine._INSTRUCTION_MAP)  # the class's map, or an instance map already there
-        reduce_grads = instructions[schedule.ReduceGrads]
-        monitor = self
-
-        def measure_then_reduce_grads(engine: Any, **kwargs: Any) -> Any:
-            monitor._local_squared = monitor.local_squared_norm()
-            return reduce_grads(engine, **kwargs)
-
-        instructions[schedule.ReduceGrads] = measure_then_reduce_grads
-        self.engine._INSTRUCTION_MAP = instructions  # _exec_schedule looks it up on the instance
+    def _measure(self) -> None:
+        self._local_squared = self.local_squared_norm()
 
     def counted_gradients(self) -> list[torch.Tensor]:
         """This rank's accumulated gradients that enter the norm, as they are now (before ReduceGrads)."""
@@ -211,13 +189,11 @@ class NoiseScaleMonitor:
         Accumulated in fp64 where the device has it, as DeepSpeed's norms are (``get_norm_dtype``): on CPU an fp32
         norm of the 3.2M-element embedding gradient is 1.6e-5 (relative) off.
         """
-        from deepspeed.runtime.zero.utils import get_norm_dtype
-
-        norm_dtype = get_norm_dtype()
+        dtype = norm_dtype()
         grads = self.counted_gradients()
         if not grads:
-            return torch.zeros((), dtype=norm_dtype, device=device())
-        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=norm_dtype) for grad in grads])
+            return torch.zeros((), dtype=dtype, device=device_of(self.engine.module))
+        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=dtype) for grad in grads])
         loss_scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)  # fp16 only; else 1
         return norms.pow(2).sum() / loss_scale**2
 
@@ -242,7 +218,7 @@ class NoiseScaleMonitor:
         # batch decisions, whatever rounding each model-parallel group's norm reduction had.
         squared = self._local_squared
         sums = torch.stack([squared, torch.tensor(float(global_norm) ** 2 / world, dtype=squared.dtype,
-                                                  device=squared.device)]).to(device())
+                                                  device=squared.device)]).to(accelerator_device())
         dist.all_reduce(sums)
         self._local_squared = None
         small_squared = sums[0].item() / self.ctx.data_parallel_size
