@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.device import HOST
 from evaluation.pipeline import Pipeline
 from model.layers import vocab_parallel_argmax
 
@@ -48,8 +49,9 @@ class Sampling:
 
 def sample_from(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     """One token from (V,) logits: temperature, then top-k, then top-p (the smallest set whose probability reaches p,
-    the most likely token always kept), then a draw from ``generator``."""
-    logits = logits.float() / sampling.temperature
+    the most likely token always kept), then a draw from ``generator``, a host one: the logits come to the host
+    (V floats a token), so that a seed draws the same tokens on every device."""
+    logits = logits.to(HOST, torch.float32) / sampling.temperature
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -96,13 +98,14 @@ class Generator:
         if len(prompt) + max_new_tokens > limit:
             raise ValueError(f"{len(prompt)} prompt tokens + {max_new_tokens} new ones exceed the model's "
                              f"{limit} positions: shorten the prompt or max_new_tokens")
-        generator = torch.Generator().manual_seed(sampling.seed + index)
+        generator = torch.Generator(device=HOST).manual_seed(sampling.seed + index)  # host: sample_from draws there
+        device = self.pipeline.stage.device
         tokens, generated, cached = list(prompt), [], 0
         with self.pipeline.caches() if use_cache else contextlib.nullcontext(), torch.no_grad():
             for _ in range(max_new_tokens):
                 start = cached if use_cache else 0
-                window = torch.tensor([tokens[start:]], dtype=torch.int64)
-                positions = torch.arange(start, len(tokens)).unsqueeze(0)
+                window = torch.tensor([tokens[start:]], dtype=torch.int64, device=device)
+                positions = torch.arange(start, len(tokens), device=device).unsqueeze(0)
                 token = self.pipeline.broadcast_token(
                     self._choose(self.pipeline.logits(window, positions), sampling, generator))
                 cached = len(tokens)

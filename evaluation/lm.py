@@ -91,8 +91,9 @@ class ParallelLM(TemplateLM):
     def _score(self, windows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """One batch: (sum of log p over the continuation, every continuation token the argmax) per window."""
         multiple = self.pipeline.sequence_multiple
-        tokens = pad_batch([inputs for inputs, _ in windows], multiple)
-        labels = pad_batch([labels for _, labels in windows], multiple, pad_id=IGNORE)
+        device = self.pipeline.stage.device
+        tokens = pad_batch([inputs for inputs, _ in windows], device, multiple)
+        labels = pad_batch([labels for _, labels in windows], device, multiple, pad_id=IGNORE)
         labels = labels[:, :tokens.shape[1]]
         with torch.no_grad():
             scored = self.pipeline.token_log_likelihoods(tokens, labels)

@@ -16,6 +16,8 @@ Every rank of a replica walks the same batches in the same order (the requests a
 so a receiver knows the shape it receives: no shape handshake, and a new length costs nothing. The process groups
 are the run's: the TP group for the sharded layers, the world group for the sends (global ranks from the
 topology). The vocabulary-parallel log-likelihood and argmax never gather the vocabulary (model/layers.py).
+Every tensor made here (token batches, positions, receive buffers, the broadcast token) is made on the stage's
+device (``Stage.device``, common/device.py): a CPU tensor would meet a GPU stage, or an NCCL send, and fail.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common import deepspeed_internals as ds_internals
+from common.device import device_of
 from model.config import ModelConfig
 from model.gpt import kv_caches
 from model.layers import vocab_parallel_argmax, vocab_parallel_cross_entropy
@@ -50,11 +54,16 @@ class Stage:
     @classmethod
     def of_engine(cls, engine, ctx: ParallelContext, config: ModelConfig) -> Stage:
         """The live training engine's stage (evaluation during training), its layers as the engine runs them."""
-        return cls(list(engine.module.forward_funcs), engine.module, ctx, config)
+        return cls(ds_internals.stage_forward_functions(engine.module), engine.module, ctx, config)
 
     @property
     def dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stage runs: every tensor it meets (inputs, receive buffers, positions) is made there."""
+        return device_of(self.module)
 
     def __call__(self, inputs: Any) -> Any:
         for layer in self.layers:
@@ -95,7 +104,8 @@ class Pipeline:
             inputs = (tokens, positions.clamp(max=self.config.max_position_embeddings - 1))  # padding may pass it
         else:
             b, s = tokens.shape
-            inputs = torch.empty(b, s // self.sequence_multiple, self.config.hidden_size, dtype=stage.dtype)
+            inputs = torch.empty(b, s // self.sequence_multiple, self.config.hidden_size, dtype=stage.dtype,
+                                 device=stage.device)
             dist.recv(inputs, src=_rank_at(ctx, ctx.pipeline_parallel_rank - 1))
         output = stage(inputs)
         if ctx.is_last_stage:
@@ -108,7 +118,7 @@ class Pipeline:
         """log p(label) and whether it is the argmax, (b, s) each, where ``labels`` is not IGNORE (0 and False
         elsewhere), on the last stage; None on the others. The vocabulary is never gathered."""
         b, s = tokens.shape
-        positions = torch.arange(s).expand(b, s)
+        positions = torch.arange(s, device=self.stage.device).expand(b, s)
         logits = self.logits(tokens, positions)
         if logits is None:
             return None
@@ -133,7 +143,7 @@ class Pipeline:
             return int(token)
         source = _rank_at(ctx, ctx.pipeline_parallel_size - 1, 0)
         me = dist.get_rank()
-        value = torch.tensor([token if token is not None else -1], dtype=torch.int64)
+        value = torch.tensor([token if token is not None else -1], dtype=torch.int64, device=self.stage.device)
         if me == source:
             for pipe in range(ctx.pipeline_parallel_size):
                 for model in range(ctx.tensor_parallel_size):
@@ -148,12 +158,10 @@ class Pipeline:
         return kv_caches(self.stage.module)
 
 
-def pad_batch(sequences: list[list[int]], multiple: int = 1, pad_id: int = 0) -> torch.Tensor:
-    """Right-padded (b, s) int64, s rounded up to ``multiple``: causal attention never lets a position see the
-    padding after it, so the real positions compute what they would alone."""
+def pad_batch(sequences: list[list[int]], device: torch.device, multiple: int = 1, pad_id: int = 0) -> torch.Tensor:
+    """Right-padded (b, s) int64 on ``device`` (the stage's), s rounded up to ``multiple``: causal attention never
+    lets a position see the padding after it, so the real positions compute what they would alone."""
     length = max(len(sequence) for sequence in sequences)
     length = -(-length // multiple) * multiple
-    out = torch.full((len(sequences), length), pad_id, dtype=torch.int64)
-    for row, sequence in enumerate(sequences):
-        out[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.int64)
-    return out
+    padded = [list(sequence) + [pad_id] * (length - len(sequence)) for sequence in sequences]
+    return torch.tensor(padded, dtype=torch.int64, device=device)  # one copy to the device

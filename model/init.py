@@ -13,6 +13,8 @@ import zlib
 
 import torch
 
+from common.device import HOST
+
 _SEED_BITS = (1 << 63) - 1
 
 
@@ -42,9 +44,9 @@ def normal_sharded_(tensor: torch.Tensor, std: float, seed: int, shard_dim: int 
     if tensor.is_meta:
         return
     moved = tensor.movedim(shard_dim, 0)  # (n, *rest): one generator per global index along the shard dim
-    generator = torch.Generator(device="cpu")
+    generator = torch.Generator(device=HOST)  # host: the same draws at any split and on any device
     row_shape = moved.shape[1:]
     for local_index in range(moved.shape[0]):
         generator.manual_seed(mix_seed(seed, shard_offset + local_index))
-        row = torch.randn(row_shape, generator=generator, dtype=torch.float32)
+        row = torch.randn(row_shape, generator=generator, dtype=torch.float32, device=HOST)  # host: its generator's
         moved[local_index].copy_(row.mul_(std))

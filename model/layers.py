@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.device import HOST
 from model.init import normal_sharded_
 from model.parallel import ParallelContext
 from model.primitives import (
@@ -271,7 +272,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
     are divided by ``factor``, short ones (< original context / high_freq_factor) kept, and those between
     interpolated smoothly.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / head_dim
+    # host: built once, on the CPU as transformers computes it (bitwise its values); rope_cos_sin moves it
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=HOST).to(dtype=torch.float) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq

@@ -7,12 +7,13 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from common.device import accelerator_device
 from data.gpt_dataset import build_gpt_datasets
 from data.index_cache import DEFAULT_FALLBACK_DIRECTORY, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, check_vocab_size
 from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset
 from model.config import set_option
-from model.parallel import ParallelContext, device
+from model.parallel import ParallelContext
 from training.config import RunConfig
 
 LoaderFactory = Callable[[int], Iterator]
@@ -77,6 +78,6 @@ def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[Loa
         return lambda consumed_samples: DevicePrefetcher.for_device(MicroBatchLoader(
             dataset, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
-            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id), device())
+            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id), accelerator_device())
 
     return factory(train), (factory(valid) if valid is not None else None)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.device import device_of
 from model.gpt import attention_logit_probe
 from model.loss import GPTLoss
-from model.parallel import ParallelContext, device
+from model.parallel import ParallelContext
 
 GROUPS = ("matrices", "vectors")
 
@@ -76,7 +77,7 @@ class StabilityMonitor:
         self.objective.recording = False
         if not self.due(step):
             return
-        sums = torch.zeros(2 * len(GROUPS), device=device())
+        sums = torch.zeros(2 * len(GROUPS), device=device_of(self.engine.module))
         for group, parameter, before in self._before or []:
             index = 2 * GROUPS.index(group)
             sums[index] += (parameter.detach().float() - before.float()).square().sum()
@@ -96,8 +97,9 @@ class StabilityMonitor:
         if not self.records:
             return {}
         record = self.objective.take()
-        summed = torch.zeros(5 + 2 * len(GROUPS), device=device())
-        largest = torch.full((1 + self.num_layers,), float("-inf"), device=device())  # [-min log Z, logit per block]
+        device = device_of(self.engine.module)  # where the records and the probe's logits are, and NCCL reduces
+        summed = torch.zeros(5 + 2 * len(GROUPS), device=device)
+        largest = torch.full((1 + self.num_layers,), float("-inf"), device=device)  # [-min log Z, logit per block]
         if record is not None:
             summed[:5], largest[0] = record[0], -record[1]
         if self._pending_update is not None:
