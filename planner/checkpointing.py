@@ -10,10 +10,13 @@ embedding is written once.
     a save, written       the slowest of: the busiest node's bytes (its GPUs' ranks) at the node's bandwidth to the
                           file system, and the run's bytes at the file system's aggregate bandwidth
     the stall, "sync"     the whole write: training waits for it
-    the stall, "async"    the copy of the busiest rank's bytes to pinned host memory at the device-to-host bandwidth;
-                          the write overlaps the next steps, and must end before the next save (else that save waits)
+    the stall, "async"    what the save does on the training thread: the copy of the busiest rank's bytes into its
+                          pinned host buffers at the device-to-host bandwidth, and one device synchronisation (no
+                          term). No allocation: the buffers are allocated once, at the run's first save, and reused
+                          (training/checkpoint_engine.py); that one-off allocation is not in the figure. The write
+                          overlaps the next steps, and must end before the next save (else that save waits)
     the share lost        stall / (save_interval x full-batch iteration seconds + stall)
-    host memory, "async"  one copy of what the rank writes, held until its writer is done
+    host memory, "async"  one copy of what the rank writes: the pinned buffers, held for the whole run
 
 The bandwidths are assumptions (``Storage``), stated in the report and overridable from tools/plan.py.
 """
@@ -56,13 +59,13 @@ class CheckpointCost:
     write_seconds: float
     """The whole save, written: the stall of "sync", the background time of "async"."""
     async_stall_seconds: float
-    """The copy to host memory, what "async" stops training for."""
+    """The copy into the host buffers (allocated at the first save, reused after), what "async" stops training for."""
     save_interval: int
     """training.save_interval (0: no periodic checkpoint; the shares below are then 0)."""
     lost_share_sync: float
     lost_share_async: float
     async_host_bytes_per_rank: int
-    """Host memory one rank holds for the snapshot."""
+    """Host memory one rank holds for the snapshot: its buffers, from the first save to the end of the run."""
     async_overlaps_next_save: bool
     """The write outlasts save_interval iterations: the next save waits for it."""
 
@@ -81,7 +84,7 @@ def checkpoint_cost(config: RunConfig, parameters: ParameterCounts, data_paralle
     per_run = weight * (held - tied_again) + OPTIMIZER_BYTES * held
     per_node = min(hardware.gpus_per_node, tp * config.parallelism.pipeline_parallel_size * d) * per_rank
     write = max(per_node / (storage.node_gbytes_per_s * 1e9), per_run / (storage.aggregate_gbytes_per_s * 1e9))
-    stall = per_rank / (storage.host_gbytes_per_s * 1e9)
+    stall = per_rank / (storage.host_gbytes_per_s * 1e9)  # a copy into buffers that exist: no allocation counted
     interval = config.training.save_interval
     between = interval * iteration_seconds
 

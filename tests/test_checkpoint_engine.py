@@ -2,7 +2,11 @@
 
 - The snapshot keeps views of one storage as views of one storage (torch.save writes what it would have written of
   the original), and a file's size and CRC-32 are counted as it is written, equal to the file's.
-- A writer that fails names the file and leaves no temporary file.
+- The host buffers: the first save allocates one per storage of the state (exactly its bytes), the second allocates
+  nothing and copies into the same storages (their data_ptr), a state that changed shape reallocates only what
+  changed, and every save's files are byte-identical to files written from a fresh snapshot.
+- A writer that fails names the file and leaves no temporary file (the fault of training/faults.py), and a slowed
+  writer is still busy after the save.
 - On 4 processes at TP 2 x PP 2, in fp32 (ZeRO-1) and in bf16 (BF16_Optimizer): after 2 steps, one checkpoint written
   "sync" and one "async" with a slow writer (0.3 s before each file), then 2 more steps while that writer is still
   busy, then its commit. Every file of the async checkpoint is byte-identical to the sync one's: the weights and
@@ -17,6 +21,7 @@ and a spike rollback while a save is in flight are tests/test_faults.py's (async
 from __future__ import annotations
 
 import errno
+import threading
 import zlib
 from pathlib import Path
 
@@ -26,6 +31,7 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_model_parallel import deepspeed_config, micro_batches
 from training.checkpoint_engine import SnapshotCheckpointEngine, host_snapshot, write_file
+from training.faults import FaultPlan, hold_writes
 
 
 def test_the_snapshot_keeps_storage_sharing_and_values():
@@ -50,15 +56,85 @@ def test_a_file_is_counted_as_it_is_written(tmp_path):
 
 
 def test_a_failing_writer_names_the_file_and_leaves_no_temporary(tmp_path):
-    engine = SnapshotCheckpointEngine("async", fail_on="global_step3")
-    (tmp_path / "global_step3").mkdir()
-    engine.save({"x": torch.zeros(2)}, str(tmp_path / "global_step3" / "layer_00-model_00-model_states.pt"))
+    """MTNLG_FAULTS={"checkpoint_oserror": 3}: rank 0's writer fails at global_step3, rank 1's writes it."""
+    outcomes, name = {}, "layer_00-model_00-model_states.pt"
+    for rank in (0, 1):
+        engine = SnapshotCheckpointEngine("async")
+        FaultPlan(checkpoint_oserror=3).install_in_writer(engine, rank)
+        (tmp_path / str(rank) / "global_step3").mkdir(parents=True)
+        engine.save({"x": torch.zeros(2)}, str(tmp_path / str(rank) / "global_step3" / name))
+        engine.start()
+        outcomes[rank] = engine.wait()
+        engine.cleanup()
+    written, error = outcomes[0]
+    assert written == [] and error.error.errno == errno.ENOSPC
+    assert str(error) == f"{tmp_path / '0' / 'global_step3' / name}: No space left on device"
+    assert list((tmp_path / "0" / "global_step3").iterdir()) == []
+    assert outcomes[1][1] is None and [file.name for file in outcomes[1][0]] == [name]
+
+
+def _state(weights: torch.Tensor) -> dict:
+    """A DeepSpeed-like state: a flat buffer with views of it, a separate moment, a step and a name."""
+    return {"module": {"a": weights[:6].view(2, 3), "b": weights[6:]}, "flat": weights,
+            "optimizer": {"state": {0: {"exp_avg": weights * 2, "step": torch.tensor(3)}}}, "name": "x"}
+
+
+def _save(engine: SnapshotCheckpointEngine, directory: Path, tag: str, state: dict) -> bytes:
+    (directory / tag).mkdir(parents=True)
+    engine.save(state, str(directory / tag / "model_states.pt"))
     engine.start()
     written, error = engine.wait()
+    engine.forget()
+    assert error is None and [file.name for file in written] == ["model_states.pt"]
+    return (directory / tag / "model_states.pt").read_bytes()
+
+
+def _buffer_pointers(engine: SnapshotCheckpointEngine) -> dict:
+    return {place: buffer.data_ptr() for place, (buffer, _) in engine.buffers.storages.items()}
+
+
+def test_host_buffers_are_allocated_at_the_first_save_and_reused(tmp_path):
+    engine = SnapshotCheckpointEngine("async")
+    weights = torch.arange(10, dtype=torch.float32)
+    first = _save(engine, tmp_path, "global_step1", _state(weights))
+    # weights (views "a" and "b" share it), exp_avg, step: 3 storages, 40 + 40 + 8 bytes
+    assert (engine.buffers.allocations, engine.buffers.allocated_bytes) == (3, 88)
+    pointers = _buffer_pointers(engine)
+    assert len(set(pointers.values())) == 3
+    weights += 1  # a step
+    second = _save(engine, tmp_path, "global_step2", _state(weights))
+    assert (engine.buffers.allocations, engine.buffers.allocated_bytes) == (3, 88)  # nothing more
+    assert _buffer_pointers(engine) == pointers  # the same storages, copied into
+    write_file(host_snapshot(_state(weights)), tmp_path / "fresh.pt")  # today's path: a new snapshot each time
+    assert second == (tmp_path / "fresh.pt").read_bytes() != first
+
+    grown = _state(torch.arange(12, dtype=torch.float32))  # the state changes shape: the flat buffer and exp_avg grow
+    grown["optimizer"]["state"][1] = {"exp_avg": torch.ones(2)}  # and a new tensor appears
+    third = _save(engine, tmp_path, "global_step3", grown)
+    assert (engine.buffers.allocations, engine.buffers.allocated_bytes) == (3 + 3, 88 + 48 + 48 + 8)
+    assert _buffer_pointers(engine)[("model_states.pt", "optimizer", "state", 0, "step")] == \
+        pointers[("model_states.pt", "optimizer", "state", 0, "step")]  # unchanged: kept
+    write_file(host_snapshot(grown), tmp_path / "fresh.pt")
+    assert third == (tmp_path / "fresh.pt").read_bytes()
+    assert len(engine.buffers.storages) == 4
+    _save(engine, tmp_path, "global_step4", _state(weights))  # back: the new tensor's buffer is released
+    assert (engine.buffers.allocations, len(engine.buffers.storages)) == (3 + 3 + 2, 3)
     engine.cleanup()
-    assert written == [] and error.error.errno == errno.ENOSPC
-    assert str(error) == f"{tmp_path / 'global_step3' / 'layer_00-model_00-model_states.pt'}: No space left on device"
-    assert list((tmp_path / "global_step3").iterdir()) == []
+
+
+def test_the_buffers_are_not_overwritten_while_the_writer_reads_them(tmp_path):
+    engine = SnapshotCheckpointEngine("async")
+    gate = threading.Event()
+    hold_writes(engine, gate)
+    (tmp_path / "global_step1").mkdir()
+    engine.save({"x": torch.zeros(4)}, str(tmp_path / "global_step1" / "a.pt"))
+    engine.start()
+    with pytest.raises(RuntimeError, match="global_step1 is still being written"):
+        engine.save({"x": torch.ones(4)}, str(tmp_path / "global_step1" / "a.pt"))
+    gate.set()
+    written, error = engine.wait()
+    engine.cleanup()
+    assert error is None and torch.equal(torch.load(tmp_path / "global_step1" / "a.pt")["x"], torch.zeros(4))
 
 
 def _save_sync_and_async(directory: str, precision: str) -> dict:
@@ -85,12 +161,15 @@ def _save_sync_and_async(directory: str, precision: str) -> dict:
         step(number)
     client = {"run_config": config.to_dict(), "train_state": {"step": 2}}
     Checkpointer(engine, Path(directory) / "sync", "sync").save(2, client)
-    slow = Checkpointer(engine, Path(directory) / "async", "async", delay_s=0.3)
+    slow = Checkpointer(engine, Path(directory) / "async", "async")
+    gate = threading.Event()
+    hold_writes(slow.files, gate)  # the writer writes nothing until the two steps below have run
     slow.save(2, client)
     busy_after_save = slow.files.in_flight
     for number in range(2, 4):  # weights, master weights and Adam moments all change meanwhile
         step(number)
     busy_after_steps = slow.files.in_flight
+    gate.set()
     committed = slow.wait()
     Checkpointer(engine, Path(directory) / "later", "sync").save(2, client)
     dist.barrier()

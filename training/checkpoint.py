@@ -44,6 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common import deepspeed_internals as ds_internals
+from common.device import HOST
+from common.files import TEMPORARY_MARK, atomic_open, publish, write_text_atomically
 from model.checkpoint_files import LATEST, RECORD, UNIVERSAL, rank_state_file, read_latest, tag_for_step, write_latest
 from model.random import RNGStream
 
@@ -82,11 +85,10 @@ class Layout:
 
     @classmethod
     def of_engine(cls, engine: Any) -> Layout:
-        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-
         grid = engine.grid  # DeepSpeed's PipelineParallelGrid over this run's topology
+        schedule = "dualpipev" if ds_internals.is_dualpipev_engine(engine) else "1f1b"
         return cls(grid.get_tensor_model_parallel_world_size(), grid.get_pipe_parallel_world_size(),
-                   grid.get_data_parallel_world_size(), "dualpipev" if isinstance(engine, DualPipeVEngine) else "1f1b")
+                   grid.get_data_parallel_world_size(), schedule)
 
 
 def _crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:
@@ -108,15 +110,11 @@ def write_record(directory: Path, tag: str, layout: Layout, files: dict[str, dic
     folder = directory / tag
     files = dict(files)
     for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != RECORD and path.name not in files and ".tmp-" not in path.name:
+        if path.is_file() and path.name != RECORD and path.name not in files and TEMPORARY_MARK not in path.name:
             files[path.name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
     record = {"tag": tag, "layout": asdict(layout), "files": dict(sorted(files.items()))}
-    temporary = folder / f".{RECORD}.tmp"
-    with open(temporary, "w") as f:
+    with atomic_open(folder / RECORD, "w") as f:
         json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, folder / RECORD)
 
 
 def read_record(directory: str | Path, tag: str) -> dict[str, Any] | None:
@@ -253,8 +251,9 @@ def convert_to_universal(directory: str | Path, tag: str, workers: int = 2, show
     if result.returncode != 0:
         shutil.rmtree(temporary, ignore_errors=True)
         raise ValueError(f"DeepSpeed's universal-checkpoint converter failed on {directory / tag}:\n{log}")
-    os.replace(temporary, output)
-    (directory / UNIVERSAL / "latest_universal").write_text(tag)  # the converter wrote the temporary name there
+    publish(temporary, output)
+    # the converter wrote the temporary name there
+    write_text_atomically(directory / UNIVERSAL / "latest_universal", tag)
     return output
 
 
@@ -343,14 +342,13 @@ class Checkpointer:
     every rank makes the same calls in the same order."""
 
     def __init__(self, engine: Any, directory: str | Path, mode: str = "async",
-                 keep: tuple[int | None, int | None] = (None, None), delay_s: float = 0.0,
-                 fail_on: str | None = None) -> None:
+                 keep: tuple[int | None, int | None] = (None, None)) -> None:
         from training.checkpoint_engine import SnapshotCheckpointEngine
 
         self.engine, self.directory, self.keep = engine, Path(directory), keep
-        zipfile = engine.checkpoint_engine.__dict__.get("zipfile_serialization", True)
-        self.files = SnapshotCheckpointEngine(mode, zipfile, delay_s, fail_on)
-        engine.checkpoint_engine = self.files  # every file DeepSpeed writes goes through it, layer files included
+        zipfile = ds_internals.checkpoint_zipfile_serialization(engine)
+        self.files = SnapshotCheckpointEngine(mode, zipfile)
+        ds_internals.replace_checkpoint_engine(engine, self.files)  # every file DeepSpeed writes, layer files too
         self.group = dist.new_group(backend="gloo")  # the commit's agreement: on CPU, apart from NCCL's streams
         self.in_flight: _InFlight | None = None
 
@@ -378,7 +376,7 @@ class Checkpointer:
         returns (tag, deleted tags) when it committed. A failed writer raises CheckpointWriteError on every rank."""
         if self.in_flight is None:
             return None
-        status = torch.tensor([0.0 if self.files.finished else 1.0])
+        status = torch.tensor([0.0 if self.files.finished else 1.0], device=HOST)  # host: reduced on the gloo group
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
         return None if status.item() else self._commit()
 
@@ -463,7 +461,7 @@ def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | Non
     if point and point.reshaped:
         load_path, client_state = engine.load_checkpoint(str(Path(directory) / UNIVERSAL), tag=tag,
                                                          load_optimizer_states=True, load_lr_scheduler_states=False)
-        engine._config.load_universal_checkpoint = False  # later loads (a spike rollback) read this run's own format
+        ds_internals.stop_loading_universal(engine)  # later loads (a spike rollback) read this run's own format
         if load_path is None:
             raise ValueError(f"DeepSpeed could not load the universal checkpoint {Path(directory) / UNIVERSAL / tag}")
         return client_state, {}

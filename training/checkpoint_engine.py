@@ -5,41 +5,47 @@ this engine, set in place of its own, keeps DeepSpeed's file layout and its load
 the bytes reach the disk:
 
     when                         what                                                     who
-    save() (DeepSpeed calls it)  the state's tensors copied to host memory, storage        the training thread
-                                 sharing kept (pinned buffers, non-blocking copies on
-                                 CUDA); nothing written yet
+    save() (DeepSpeed calls it)  the state's tensors copied into the run's host buffers    the training thread
+                                 (below), storage sharing kept (non-blocking copies into
+                                 pinned buffers on CUDA); nothing written yet
     start()                      one device synchronisation, then the files handed to     the training thread
                                  the writer; training continues
-    the writer                   each file: serialised into <name>.tmp-<pid> while its     one background thread
-                                 size and CRC-32 are counted, fsync, renamed into place,
-                                 the directory fsynced
+    the writer                   each file: serialised into .<name>.tmp-<host>-<pid>-...   one background thread
+                                 while its size and CRC-32 are counted, fsync, renamed
+                                 into place, the directory fsynced (common/files.py)
     wait()                       until the writer has finished; its files (name, bytes,   whoever must not overlap
                                  CRC-32) or the error (the file and the OS error)          the next checkpoint
 
-At most one checkpoint is in flight: the next save waits for the previous one (training/checkpoint.py commits it).
-In "sync" mode start() waits at once: the same snapshot and the same writer, so the same bytes. Loading is
-DeepSpeed's own: ``load`` is torch.load of its own files (weights_only=False: they hold Python objects).
+At most one checkpoint is in flight: the next save waits for the previous one (training/checkpoint.py commits it),
+and save() refuses to begin while the writer still reads the buffers. In "sync" mode start() waits at once: the same
+snapshot and the same writer, so the same bytes. Loading is DeepSpeed's own: ``load`` is torch.load of its own files
+(weights_only=False: they hold Python objects).
 
-The snapshot costs host memory: each rank holds a copy of what it writes (its layer files on DP rank 0, its ZeRO-1
-optimizer shard: fp32 master weights and both Adam moments) until the writer is done.
+The host buffers (``HostBuffers``) are allocated at the first save, sized from the state, and reused by every later
+save: one storage per storage of the state, found again by where it sits (the file's name and the keys that lead to
+it). They cost host memory for the whole run: each rank holds one copy of what it writes (its layer files on DP rank
+0, its ZeRO-1 optimizer shard: fp32 master weights and both Adam moments). Fault injection (a slow writer, a full
+disk) wraps ``SnapshotCheckpointEngine.write_file``: training/faults.py.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import errno
-import os
 import queue
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from common.deepspeed_internals import CheckpointCommitInfo, CheckpointEngine
+from common.device import HOST
+from common.files import atomic_open
 
 MODES = ("async", "sync")
 
@@ -61,33 +67,80 @@ class WriterError(RuntimeError):
         super().__init__(f"{path}: {reason}")
 
 
-def host_snapshot(state: Any, memo: dict | None = None) -> Any:
+class HostBuffers:
+    """The host memory snapshots are copied into: allocated at the first save, reused by every later one.
+
+        a storage of the state, found at      its buffer
+        the place of a buffer of the last     that buffer, the same storage (``copy_`` into it): nothing allocated
+          save, the same bytes and pinning
+        the place of a buffer of another      a new one in its place (the state changed shape: counted)
+          size or pinning
+        a new place                           a new one (counted)
+        a second time in one save             a new one for this save only (counted; never two snapshots in one)
+        no longer in the state                its buffer is released by ``end_save()``
+
+    A place is the file's name and the keys and indices that lead to the tensor that first shows the storage. Buffers
+    of CUDA tensors are pinned (page-locked, allocated as such: no pageable copy first), the copy into them
+    non-blocking; others are plain host memory.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[tuple, tuple[torch.UntypedStorage, bool]] = {}
+        """Place -> (buffer, pinned)."""
+        self.allocations = 0
+        """Buffers allocated since the engine was made: at the first save, then only where the state changed."""
+        self.allocated_bytes = 0
+        self._taken: set[tuple] = set()
+
+    def take(self, place: tuple, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        if place in self._taken:
+            return self._allocate(nbytes, pinned)
+        self._taken.add(place)
+        buffer, was_pinned = self.storages.get(place, (None, pinned))
+        if buffer is None or buffer.nbytes() != nbytes or was_pinned != pinned:
+            buffer = self._allocate(nbytes, pinned)
+            self.storages[place] = (buffer, pinned)
+        return buffer
+
+    def end_save(self) -> None:
+        """The save's snapshot is complete: buffers it did not take are released."""
+        self.storages = {place: buffer for place, buffer in self.storages.items() if place in self._taken}
+        self._taken = set()
+
+    def _allocate(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        # host: a snapshot buffer, pinned when it receives a CUDA tensor's copy
+        return torch.empty(nbytes, dtype=torch.uint8, device=HOST, pin_memory=pinned).untyped_storage()
+
+
+def host_snapshot(state: Any, buffers: HostBuffers | None = None, place: tuple = (), memo: dict | None = None) -> Any:
     """A copy of ``state`` whose tensors live in host memory, views of one storage staying views of one storage
-    (torch.save then writes the same bytes as of the original). CUDA tensors go to pinned buffers by non-blocking
-    copies: synchronise the device before reading them."""
+    (torch.save then writes the same bytes as of the original). Its storages are taken from ``buffers`` at ``place``
+    (the file's name, then the keys that lead to each tensor); without buffers, allocated for this snapshot only.
+    CUDA tensors go to pinned buffers by non-blocking copies: synchronise the device before reading them."""
     memo = {} if memo is None else memo
+    buffers = HostBuffers() if buffers is None else buffers
     if isinstance(state, torch.Tensor):
-        return _tensor_snapshot(state, memo)
+        return _tensor_snapshot(state, buffers, place, memo)
     if type(state) in (dict, collections.OrderedDict):
-        return type(state)((key, host_snapshot(value, memo)) for key, value in state.items())
+        return type(state)((key, host_snapshot(value, buffers, (*place, key), memo)) for key, value in state.items())
     if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
-        return type(state)(host_snapshot(value, memo) for value in state)
+        return type(state)(host_snapshot(value, buffers, (*place, index), memo) for index, value in enumerate(state))
     if isinstance(state, (str, bytes, int, float, bool, type(None))):
         return state
-    return copy.deepcopy(state, memo)
+    return copy.deepcopy(state, memo)  # tensors inside other objects are copied afresh, not into the buffers
 
 
-def _tensor_snapshot(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+def _tensor_snapshot(tensor: torch.Tensor, buffers: HostBuffers, place: tuple, memo: dict) -> torch.Tensor:
     storage = tensor.untyped_storage()
     key = (tensor.device, storage.data_ptr())
     if key not in memo:
-        host = torch.UntypedStorage(storage.nbytes(), device="cpu")
-        if tensor.is_cuda:
-            host = host.pin_memory()
-        host.copy_(storage, non_blocking=tensor.is_cuda)
-        memo[key] = host
-    copied = torch.empty(0, dtype=tensor.dtype).set_(memo[key], tensor.storage_offset(), tensor.size(),
-                                                     tensor.stride())
+        memo[key] = buffers.take(place, storage.nbytes(), pinned=tensor.is_cuda)
+        memo[key].copy_(storage, non_blocking=tensor.is_cuda)
+    # host: a view of the snapshot's buffer, as the tensor views its storage
+    copied = torch.empty(0, dtype=tensor.dtype, device=HOST).set_(memo[key], tensor.storage_offset(), tensor.size(),
+                                                                  tensor.stride())
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
     return copied.requires_grad_(tensor.requires_grad) if tensor.is_leaf else copied
@@ -110,23 +163,11 @@ class _Counted:
 
 
 def write_file(state: Any, path: Path, zipfile: bool = True) -> WrittenFile:
-    """torch.save into ``<path>.tmp-<pid>``, counted, fsynced, renamed to ``path``, the directory fsynced."""
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            counted = _Counted(handle)
-            torch.save(state, counted, _use_new_zipfile_serialization=zipfile)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    """torch.save into a temporary name beside ``path``, its size and CRC-32 counted as it goes, then published
+    (common/files.py: fsync, rename to ``path``, directory fsync); on an error the temporary is removed."""
+    with atomic_open(path, "wb") as handle:
+        counted = _Counted(handle)
+        torch.save(state, counted, _use_new_zipfile_serialization=zipfile)
     return WrittenFile(path.name, counted.bytes, counted.crc32)
 
 
@@ -141,17 +182,16 @@ class _Batch:
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
-    """The engine of the module docstring. ``delay_s`` slows the writer down before each file (fault injection:
-    tests/test_checkpoint_engine.py, training/faults.py); ``fail_on`` makes it fail writing the first file of that
-    tag with ENOSPC, as a full disk does."""
+    """The engine of the module docstring."""
 
-    def __init__(self, mode: str = "async", zipfile: bool = True, delay_s: float = 0.0,
-                 fail_on: str | None = None) -> None:
+    def __init__(self, mode: str = "async", zipfile: bool = True) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"training.checkpoint_mode must be one of {MODES}, got {mode!r}")
         self.name, self.mode, self.zipfile = "SnapshotCheckpointEngine", mode, zipfile
-        self.delay_s, self.fail_on = delay_s, fail_on
+        self.buffers = HostBuffers()
+        self.write_file: Callable[[Any, Path, bool], WrittenFile] = write_file
+        """What the writer calls for each file: (snapshot, path, zipfile). training/faults.py wraps it."""
         self.pending: _Batch | None = None
         self.current: _Batch | None = None
         self.tag: str | None = None
@@ -172,7 +212,11 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self.pending is None:
             self.create(CheckpointCommitInfo(tag=Path(path).parent.name, save_dir=str(Path(path).parent.parent),
                                              save_latest=False))
-        self.pending.files.append((Path(path), host_snapshot(state_dict)))
+        if self.in_flight:  # never reached through create(); the writer reads the buffers this would overwrite
+            raise RuntimeError(f"checkpoint {self.tag} is still being written: wait() before the next save")
+        # The buffers are reused: safe because the previous checkpoint's writer has finished (checked above and in
+        # create()), and it is the only reader of the host buffers.
+        self.pending.files.append((Path(path), host_snapshot(state_dict, self.buffers, (Path(path).name,))))
 
     def load(self, path: str, map_location=None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -188,7 +232,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self.pending is None:
             raise RuntimeError("start() without a save")
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the one synchronisation of the save: every non-blocking copy has landed
+        self.buffers.end_save()
         self.current, self.pending = self.pending, None
         self._jobs.put(self.current)
         if self.mode == "sync":
@@ -219,15 +264,11 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         while (batch := self._jobs.get()) is not None:
             for path, state in batch.files:
                 try:
-                    if self.delay_s:
-                        time.sleep(self.delay_s)
-                    if self.fail_on is not None and path.parent.name == self.fail_on:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    batch.written.append(write_file(state, path, self.zipfile))
+                    batch.written.append(self.write_file(state, path, self.zipfile))
                 except BaseException as error:  # the file and the error; the files already renamed stay
                     batch.error = WriterError(path, error)
                     break
-            batch.files.clear()  # the snapshot's host memory is released here
+            batch.files.clear()  # the snapshot's views; its buffers stay with the engine for the next save
             batch.done.set()
 
     def cleanup(self) -> None:

@@ -10,18 +10,34 @@
     {"writer_delay_s": 2.0}         every rank's checkpoint writer waits this long before each file: the
                                     checkpoint stays in flight over the next steps
 
-Steps are 1-based optimizer steps, as logged.
+Steps are 1-based optimizer steps, as logged. The two writer faults wrap the checkpoint engine's per-file hook
+(``SnapshotCheckpointEngine.write_file``, training/checkpoint_engine.py): the engine itself has no fault parameter.
+
+    delay_writes(files, seconds)   each file waits ``seconds`` before it is written
+    hold_writes(files, gate)       each file waits until ``gate`` (a threading.Event) is set
+    fail_writes(files, tag)        the first file of checkpoint ``tag`` fails with ENOSPC; nothing of it is written
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from common.device import HOST
+from model.checkpoint_files import tag_for_step
+
+if TYPE_CHECKING:
+    from training.checkpoint_engine import SnapshotCheckpointEngine, WrittenFile
 
 ENVIRONMENT_VARIABLE = "MTNLG_FAULTS"
 
@@ -44,6 +60,47 @@ class FaultPlan:
         if self.kill_in_checkpoint == step and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def install_in_writer(self, files: SnapshotCheckpointEngine, rank: int) -> None:
+        """The writer faults of the plan, on this rank's checkpoint engine (a full disk on global rank 0 only)."""
+        if self.writer_delay_s:
+            delay_writes(files, self.writer_delay_s)
+        if self.checkpoint_oserror and rank == 0:
+            fail_writes(files, tag_for_step(self.checkpoint_oserror))
+
+
+def delay_writes(files: SnapshotCheckpointEngine, seconds: float) -> None:
+    """Each file the engine's writer writes waits ``seconds`` first: a checkpoint stays in flight for longer."""
+    write = files.write_file
+
+    def slow(state: Any, path: Path, zipfile: bool) -> WrittenFile:
+        time.sleep(seconds)
+        return write(state, path, zipfile)
+
+    files.write_file = slow
+
+
+def hold_writes(files: SnapshotCheckpointEngine, gate: threading.Event) -> None:
+    """The engine's writer waits for ``gate`` before each file: a checkpoint is in flight until the caller opens it."""
+    write = files.write_file
+
+    def held(state: Any, path: Path, zipfile: bool) -> WrittenFile:
+        gate.wait()
+        return write(state, path, zipfile)
+
+    files.write_file = held
+
+
+def fail_writes(files: SnapshotCheckpointEngine, tag: str) -> None:
+    """The writer fails the first file of checkpoint ``tag`` with ENOSPC, as a full disk does."""
+    write = files.write_file
+
+    def full(state: Any, path: Path, zipfile: bool) -> WrittenFile:
+        if path.parent.name == tag:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(state, path, zipfile)
+
+    files.write_file = full
+
 
 class FaultyLoader:
     """Wraps a micro-batch loader; the trainer sets ``step`` (the step being run) before each train_batch."""
@@ -60,8 +117,9 @@ class FaultyLoader:
         if self.step in self.plan.poison_steps:
             loss_mask = torch.full_like(loss_mask, float("nan"))
         if self.plan.garbage_samples and self.plan.garbage_samples[0] <= first_sample < self.plan.garbage_samples[1]:
-            generator = torch.Generator().manual_seed(first_sample)
-            rare = (self.vocab_size - 256, self.vocab_size)
-            tokens = torch.randint(*rare, tokens.shape, generator=generator)
-            labels = torch.randint(*rare, labels.shape, generator=generator)
+            generator = torch.Generator(device=HOST).manual_seed(first_sample)  # host: the same garbage anywhere
+            rare, device = (self.vocab_size - 256, self.vocab_size), tokens.device
+            # host: drawn from the host generator above, then moved to the batch's device
+            tokens = torch.randint(*rare, tokens.shape, generator=generator, device=HOST).to(device)
+            labels = torch.randint(*rare, labels.shape, generator=generator, device=HOST).to(device)  # host: as tokens
         return (tokens, positions), (labels, loss_mask)

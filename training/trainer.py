@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.device import accelerator_device
 from model.checkpoint_files import tag_for_step
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
 from model.gpt import universal_checkpoint_info
-from model.parallel import ParallelContext, device
+from model.parallel import ParallelContext
 from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
 from training import checkpoint
 from training.config import RunConfig
@@ -224,7 +225,8 @@ class Trainer:
     def _agree_on_status(self, stop: StopRequest) -> StepStatus:
         """One small all-reduce (MAX) per step: a signal on any rank, a spike on any last stage (and its loss)."""
         spike = self.spike_guard.spike_loss
-        flags = torch.tensor([float(stop.requested), float(spike is not None), spike or 0.0], device=device())
+        flags = torch.tensor([float(stop.requested), float(spike is not None), spike or 0.0],
+                             device=accelerator_device())  # meets no module: the communication device
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return StepStatus(stop_requested=bool(flags[0]), spike_loss=flags[2].item() if flags[1] else None)
 
@@ -311,16 +313,18 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _checkpointer(self) -> checkpoint.Checkpointer:
-        training, rank = self.config.training, dist.get_rank()
-        fail_on = tag_for_step(self.faults.checkpoint_oserror) if self.faults.checkpoint_oserror and rank == 0 else None
-        return checkpoint.Checkpointer(self.engine, training.save, training.checkpoint_mode,
-                                       (training.keep_last, training.keep_every), self.faults.writer_delay_s, fail_on)
+        training = self.config.training
+        checkpointer = checkpoint.Checkpointer(self.engine, training.save, training.checkpoint_mode,
+                                               (training.keep_last, training.keep_every))
+        self.faults.install_in_writer(checkpointer.files, dist.get_rank())
+        return checkpointer
 
     def save(self) -> None:
         """Checkpoint the current step, once: the end of the run does not write again the step an interval wrote.
         In "async" mode this returns once the state is in host memory; the commit follows (``_committed``)."""
         if self.checkpointer is None or self.state.step == self.saved_step:
             return
+        started = time.perf_counter()
         committed = self.checkpointer.save(
             self.state.step,
             client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
@@ -334,9 +338,13 @@ class Trainer:
         self.saved_step = self.state.step
         for entry in committed:
             self._committed(entry)
+        # "training stopped for X s (mode" is what scripts/gpu_smoke_checks.py's stall check reads.
+        stopped = f"checkpoint {tag_for_step(self.state.step)}: training stopped for {time.perf_counter() - started:.3f} s"
         if self.checkpointer.mode == "async":
-            self.logger.info(f"checkpoint {tag_for_step(self.state.step)}: in host memory after "
-                             f"{self.checkpointer.files.blocked_s:.2f} s, being written in the background")
+            self.logger.info(f"{stopped} (async: in host memory after {self.checkpointer.files.blocked_s:.3f} s, "
+                             f"being written in the background)")
+        else:
+            self.logger.info(f"{stopped} (sync: written and committed)")
 
     def finish_checkpoints(self) -> None:
         """Wait for the checkpoint in flight and commit it (the end, a signal, a rollback)."""
