@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import re
 import statistics
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 REQUIRED_MODULES = {"torch": "torch (a CUDA build)", "deepspeed": "deepspeed==0.19.8 (wheels/, see --build-wheels)",
                     "numpy": "numpy", "tokenizers": "tokenizers", "tensorboard": "tensorboard",
                     "safetensors": "safetensors"}
+# What the checks on the checkpoint import besides (scripts/gpu_smoke_checks.py): without them those checks fail.
+CHECK_MODULES = {"transformers": "transformers", "lm_eval": "lm-eval (its wheels: --build-wheels)"}
 # tools/plan.py's presets by product (training/metrics.py GPU_PEAKS); --peak-tflops and --memory-gib are given too.
 PLAN_PRESETS = {"A100": "a100-80gb", "H100": "h100-80gb", "H800": "h100-80gb", "GH200": "h100-80gb", "H200": "h200"}
 WARMUP_STEPS = 10
@@ -41,13 +44,19 @@ def check(allow_cpu: bool) -> int:
     if missing:
         print("missing: " + "; ".join(missing), file=sys.stderr)
         return 1
+    for module, package in CHECK_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"warning: {package} is not installed: the checks that need {module} will fail", file=sys.stderr)
     import deepspeed
     import torch
 
     print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"deepspeed {deepspeed.__version__}")
-    if deepspeed.__version__ != "0.19.8":
-        print(f"warning: the project is tested with deepspeed 0.19.8, this is {deepspeed.__version__}", file=sys.stderr)
+    try:
+        import common.deepspeed_internals  # noqa: F401  (refuses a DeepSpeed version it was not checked against)
+    except ImportError as error:
+        print(error, file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
         if allow_cpu:
             print("no CUDA device: rehearsing on CPU")
@@ -94,6 +103,7 @@ def measured(run: Path, config: str) -> dict[str, float | None]:
     result: dict[str, float | None] = {"steps": float(len(records))}
     if records:
         result["seconds"] = statistics.median(r["global_batch"] / r["samples_per_second"] for r in records)
+        result["tokens_per_second"] = statistics.median(r["tokens_per_second"] for r in records)
         result["tflops"] = statistics.median(r["tflops_per_gpu"] for r in records)
         mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
         result["mfu"] = statistics.median(mfus) if mfus else None

@@ -10,8 +10,13 @@
 #   3. trains ds_configs/125m.json, then ds_configs/1.3b.json, 30 steps each on this one GPU: bf16, TP 1 x PP 1,
 #      a fixed global batch of 64 (micro-batch 8, 8 micro-batches; the configs' ramp would start there anyway and
 #      their full batch of 256 / 512 takes minutes a step on one GPU), a checkpoint at the end;
-#   4. prints, per config, the measured seconds per step, TFLOP/s per GPU, MFU and peak memory
-#      (torch.cuda.max_memory_allocated) beside what tools/plan.py predicts for the same run.
+#   4. on the 125m checkpoint (scripts/gpu_smoke_checks.py says how each is judged): attention on SDPA's flash
+#      kernel alone; tools/evaluate.py against lm-eval's HFLM on the export, both fp32; tools/generate.py's greedy
+#      tokens against transformers' generate(); a run stopped at step 20 (sync saves) and resumed from its
+#      checkpoint against the straight run, which saves asynchronously at steps 10, 20, 30 (of --steps 30); the stall of those saves
+#      against the sync ones. Parts that need two ranks are skipped on one GPU (NCCL cannot put two ranks on one);
+#   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
+#      predicts, then every check with pass, fail or skip and its figure; exits 1 if any failed.
 #
 # Usage: bash scripts/gpu_smoke.sh [--dry-run] [--skip-install] [--steps N] [--gpu PRESET] [--allow-cpu]
 #                                  [--set BLOCK.FIELD=VALUE ...]
@@ -69,6 +74,8 @@ if [ "$BUILD_WHEELS" = 1 ]; then
     # DeepSpeed's own requirements, torch excepted (the GPU machine has its CUDA build), as wheels for this Python.
     run "$PY" -m pip download --only-binary=:all: -d wheels einops hjson msgpack ninja numpy packaging psutil \
         py-cpuinfo "pydantic>=2" tqdm
+    # The evaluation check runs lm-eval's HFLM: lm-eval itself (its own requirements are most of the GPU image's).
+    run "$PY" -m pip download --no-deps -d wheels "lm-eval==0.4.13"
     exit 0
 fi
 
@@ -104,28 +111,70 @@ run "$PY" tools/preprocess_data.py --input data/corpus/botchan.jsonl --output-pr
 RUN_SETS=(--set parallelism.tensor_parallel_size=1 --set parallelism.pipeline_parallel_size=1
           --set bf16.enabled=true --set model.precision=bf16
           --set train_batch_size=$GLOBAL_BATCH --set schedule.batch={})
-STATUS=0
+SAVE_EVERY=$(( STEPS >= 3 ? STEPS / 3 : 1 ))  # 10 of 30: saves at 10, 20, 30
+STOP_AT=$(( 2 * SAVE_EVERY ))
+# train CONFIG SAVE MAX_STEPS SAVE_INTERVAL MODE LOG: one training run through the launcher, its output in LOG.
+# deepspeed.launcher.runner is what the `deepspeed` command runs; as a module it runs on $PY, whatever PATH says.
+train() {
+    local command=(timeout --kill-after=30 "$TRAIN_TIMEOUT_S" "$PY" -m deepspeed.launcher.runner --num_gpus 1
+                   --master_port "${MASTER_PORT:-29500}" scripts/gpu_smoke_train.py
+                   --ds_config "ds_configs/$1.json" --data-path "$RUN/data/botchan_text_document" "${RUN_SETS[@]}"
+                   --set "training.max_steps=$3" --set training.log_interval=1 --set training.eval_iters=1
+                   --set "training.save=$2" --set "training.save_interval=$4"
+                   --set "training.checkpoint_mode=$5" "${EXTRA_SETS[@]}")
+    if [ "$DRY_RUN" = 1 ]; then run "${command[@]}"; return 0; fi
+    mkdir -p "$RUN"
+    run "${command[@]}" 2>&1 | tee "$6"
+}
+
 for CONFIG in "${CONFIGS[@]}"; do
     echo "== 3. train $CONFIG: $STEPS steps on 1 GPU, bf16, TP 1 x PP 1, global batch $GLOBAL_BATCH"
-    # deepspeed.launcher.runner is what the `deepspeed` command runs; as a module it runs on $PY, whatever PATH says.
-    TRAIN=(timeout --kill-after=30 "$TRAIN_TIMEOUT_S" "$PY" -m deepspeed.launcher.runner --num_gpus 1
-           --master_port "${MASTER_PORT:-29500}" scripts/gpu_smoke_train.py
-           --ds_config "ds_configs/$CONFIG.json" --data-path "$RUN/data/botchan_text_document" "${RUN_SETS[@]}"
-           --set "training.max_steps=$STEPS" --set training.log_interval=1 --set training.eval_iters=1
-           --set "training.save=$RUN/$CONFIG" --set training.save_interval=0 "${EXTRA_SETS[@]}")
+    # 125m saves every STEPS / 3 (async): the resume and stall checks read those saves; 1.3b at its end only.
+    INTERVAL=0; if [ "$CONFIG" = 125m ]; then INTERVAL=$SAVE_EVERY; fi
+    train "$CONFIG" "$RUN/$CONFIG" "$STEPS" "$INTERVAL" async "$RUN/$CONFIG.log" || true
     PLAN=("$PY" tools/plan.py --ds_config "ds_configs/$CONFIG.json" --nodes 1 --gpus-per-node 1 "${HARDWARE[@]}"
           "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" --json)
-    if [ "$DRY_RUN" = 1 ]; then
-        run "${TRAIN[@]}"
-        run "${PLAN[@]}"
-        continue
-    fi
-    mkdir -p "$RUN"
-    run "${TRAIN[@]}" 2>&1 | tee "$RUN/$CONFIG.log" || STATUS=1
+    if [ "$DRY_RUN" = 1 ]; then run "${PLAN[@]}"; continue; fi
     printf '+'; printf ' %q' "${PLAN[@]}"; printf ' > %q\n' "$RUN/$CONFIG.plan.json"
-    "${PLAN[@]}" > "$RUN/$CONFIG.plan.json" || STATUS=1
+    "${PLAN[@]}" > "$RUN/$CONFIG.plan.json" || true
 done
 
-echo "== 4. measured beside tools/plan.py's prediction"
-run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}"
-exit $STATUS
+# Each check writes RUN/checks/NN-name.json; a command that fails leaves its record unwritten, which the summary
+# counts as a failure, so the script goes on to the next check.
+CHECK=(scripts/gpu_smoke_checks.py)
+CKPT=$RUN/125m
+TASKS=alice_choice,alice_lastword
+PROMPTS=(--prompt "I was" --prompt "The schoolmaster")
+echo "== 4. checks on the 125m checkpoint"
+run "$PY" "${CHECK[@]}" flash "$RUN" 1 ds_configs/125m.json "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" || true
+run "$PY" tools/convert_to_hf.py --checkpoint "$CKPT" --output "$RUN/125m-hf" --dtype fp32 --no-progress || true
+run "$PY" tools/evaluate.py --checkpoint "$CKPT" --dtype fp32 --tasks "$TASKS" --limit 40 --log-samples \
+    --output "$RUN/eval-ours.json" || true
+run "$PY" "${CHECK[@]}" hflm "$RUN/125m-hf" "$RUN/eval-hf.json" --tasks "$TASKS" --limit 40 || true
+run "$PY" "${CHECK[@]}" compare-eval "$RUN" 2 "$RUN/eval-ours.json" "$RUN/eval-hf.json" "$RUN/125m-hf" || true
+run "$PY" tools/generate.py --checkpoint "$CKPT" --dtype fp32 "${PROMPTS[@]}" --max-new-tokens 32 \
+    --output "$RUN/generate-ours.jsonl" || true
+run "$PY" "${CHECK[@]}" hf-generate "$RUN/125m-hf" "$RUN/generate-hf.jsonl" "${PROMPTS[@]}" --max-new-tokens 32 || true
+run "$PY" "${CHECK[@]}" compare-generate "$RUN" 3 "$RUN/generate-ours.jsonl" "$RUN/generate-hf.jsonl" || true
+echo "== 5. the same 125m run stopped at step $STOP_AT (sync saves), then resumed from its checkpoint"
+train 125m "$RUN/125m-resume" "$STOP_AT" "$SAVE_EVERY" sync "$RUN/125m-stopped.log" || true
+run cp "$RUN/125m-resume/metrics.jsonl" "$RUN/125m-stopped.jsonl" || true
+train 125m "$RUN/125m-resume" "$STEPS" "$SAVE_EVERY" async "$RUN/125m-resumed.log" || true
+run "$PY" "${CHECK[@]}" resume "$RUN" 4 "$CKPT/metrics.jsonl" "$RUN/125m-stopped.jsonl" \
+    "$RUN/125m-resume/metrics.jsonl" || true
+run "$PY" "${CHECK[@]}" stall "$RUN" 5 --sync-log "$RUN/125m-stopped.log" --async-log "$RUN/125m.log" || true
+GPUS=1
+if [ "$DRY_RUN" = 0 ]; then GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" || echo 0); fi
+if [ "$GPUS" -ge 2 ]; then
+    run "$PY" -m deepspeed.launcher.runner --num_gpus 2 --master_port "${MASTER_PORT:-29500}" tools/evaluate.py \
+        --checkpoint "$CKPT" --dtype fp32 --set parallelism.tensor_parallel_size=2 --tasks "$TASKS" --limit 40 \
+        --log-samples --output "$RUN/eval-tp2.json" || true
+    run "$PY" "${CHECK[@]}" compare-eval "$RUN" 6 "$RUN/eval-tp2.json" "$RUN/eval-hf.json" "$RUN/125m-hf" || true
+else
+    run "$PY" "${CHECK[@]}" skip "$RUN" 6 "tools/evaluate.py at TP 2" \
+        "NCCL cannot put two ranks on one GPU: $GPUS visible" || true
+fi
+
+echo "== 6. measured beside tools/plan.py's prediction, and every check"
+run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" || true
+run "$PY" "${CHECK[@]}" summary "$RUN" 6 "${CONFIGS[@]}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -77,8 +78,8 @@ def test_dry_run_trains_both_configs_30_steps_bf16_tp1_pp1_on_one_gpu(dry_run):
     assert len(preprocess) == 1 and "data/corpus/botchan.jsonl" in preprocess[0]
     prefix = preprocess[0][preprocess[0].index("--output-prefix") + 1]
     runs = train_commands(dry_run)
-    assert len(runs) == 2
-    for name, argv in zip(CONFIGS, runs, strict=True):
+    assert len(runs) == 4  # both configs, then the 125m run stopped at step 20 and resumed
+    for name, argv in zip(CONFIGS, runs[:2], strict=True):
         args = train.parse_args(argv)
         assert args.ds_config == f"ds_configs/{name}.json" and args.data_path == [f"{prefix}_text_document"]
         config = load_run_config(ROOT / args.ds_config, args.set)  # the real config code, as train.py runs it
@@ -86,7 +87,8 @@ def test_dry_run_trains_both_configs_30_steps_bf16_tp1_pp1_on_one_gpu(dry_run):
         assert (config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size) == (1, 1)
         assert config.model.precision == "bf16" and config.deepspeed["bf16"]["enabled"] is True
         assert config.training.max_steps == 30 and config.training.log_interval == 1
-        assert config.training.save == f"runs/gpu_smoke/{name}"
+        assert config.training.save == f"runs/gpu_smoke/{name}" and config.training.checkpoint_mode == "async"
+        assert config.training.save_interval == (10 if name == "125m" else 0)  # the stall check reads 125m's saves
         assert config.batch_schedule()(0) == config.global_batch_size == 64  # a fixed batch from the first step
         assert config.deepspeed["optimizer"]["params"]["torch_adam"] is True  # nothing to compile on the GPU
 
@@ -95,7 +97,7 @@ def test_dry_run_plans_the_same_runs_and_they_fit(dry_run):
     plans = [w for w in dry_run if "tools/plan.py" in w]
     assert len(plans) == 2
     total_seconds = 0.0
-    for name, plan, run in zip(CONFIGS, plans, train_commands(dry_run), strict=True):
+    for name, plan, run in zip(CONFIGS, plans, train_commands(dry_run)[:2], strict=True):
         assert plan[plan.index("--ds_config") + 1] == f"ds_configs/{name}.json"
         assert plan[plan.index("--nodes") + 1] == "1" and plan[plan.index("--gpus-per-node") + 1] == "1"
         run_sets = train.parse_args(run).set
@@ -122,6 +124,90 @@ def test_dry_run_installs_deepspeed_then_the_project_without_dependencies(dry_ru
 def test_steps_option_reaches_both_runs():
     result = run_script("--dry-run", "--steps", "5", "--set", "model.num_layers=2")
     assert result.returncode == 0, result.stderr
-    for argv in train_commands(printed_commands(result.stdout)):
-        config = load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
-        assert config.training.max_steps == 5 and config.model.num_layers == 2
+    runs = [load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
+            for argv in train_commands(printed_commands(result.stdout))]
+    assert [config.training.max_steps for config in runs] == [5, 5, 2, 5]  # the stop at 2 x (5 // 3)
+    assert all(config.model.num_layers == 2 for config in runs)
+
+
+# -- the checks on the checkpoint (scripts/gpu_smoke_checks.py): their commands, and each judge on known inputs ------
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_smoke_checks as checks  # noqa: E402
+
+
+def test_dry_run_stops_and_resumes_the_125m_run_in_one_checkpoint_directory(dry_run):
+    stopped, resumed = (load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
+                        for argv in train_commands(dry_run)[2:])
+    assert stopped.training.save == resumed.training.save == "runs/gpu_smoke/125m-resume"
+    assert (stopped.training.max_steps, resumed.training.max_steps) == (20, 30)
+    assert (stopped.training.checkpoint_mode, resumed.training.checkpoint_mode) == ("sync", "async")
+    assert stopped.training.save_interval == resumed.training.save_interval == 10
+    commands = [w for w in dry_run if any(Path(word).name == "gpu_smoke_checks.py" for word in w)]
+    names = [words[2] for words in commands]
+    assert names == ["flash", "hflm", "compare-eval", "hf-generate", "compare-generate", "resume", "stall", "skip",
+                     "summary"]
+    parsed = [checks.build_parser().parse_args(words[2:]) for words in commands]  # each parses as the script runs it
+    orders = sorted(int(args.order) for args in parsed if hasattr(args, "order"))
+    assert orders == list(range(1, 7)) and parsed[-1].expected == "6"  # the summary expects every record
+    from tools.evaluate import build_parser as evaluate_parser
+    from tools.generate import build_parser as generate_parser
+
+    evaluation = evaluate_parser().parse_args(next(w for w in dry_run if "tools/evaluate.py" in w)[2:])
+    generation = generate_parser().parse_args(next(w for w in dry_run if "tools/generate.py" in w)[2:])
+    assert evaluation.dtype == generation.dtype == "fp32" and evaluation.log_samples  # what HFLM runs in, per request
+    assert parsed[1].tasks == evaluation.tasks and parsed[1].limit == evaluation.limit
+
+
+def _metrics(path: Path, losses: dict[int, float]) -> Path:
+    path.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": v}) + "\n" for s, v in losses.items()))
+    return path
+
+
+def test_resume_check_passes_bitwise_and_fails_on_a_difference(tmp_path):
+    straight = _metrics(tmp_path / "straight.jsonl", {s: 10.0 - s / 7 for s in range(1, 31)})
+    stopped = _metrics(tmp_path / "stopped.jsonl", {s: 10.0 - s / 7 for s in range(1, 21)})
+    resumed = _metrics(tmp_path / "resumed.jsonl", {s: 10.0 - s / 7 for s in range(1, 31)})
+    status, figure = checks.resume(straight, stopped, resumed)
+    assert status == "pass" and "steps 21-30" in figure and figure.endswith("(bitwise)")
+    _metrics(resumed, {**{s: 10.0 - s / 7 for s in range(1, 31)}, 25: 10.0 - 25 / 7 + 1e-7})
+    assert checks.resume(straight, stopped, resumed)[0] == "fail"
+    _metrics(stopped, {**{s: 10.0 - s / 7 for s in range(1, 21)}, 3: 10.0 - 3 / 7 + 1e-6})  # a noisy GPU
+    status, figure = checks.resume(straight, stopped, resumed)
+    assert status == "pass" and "not bitwise repeatable" in figure
+
+
+def test_stall_check_reads_the_trainers_lines_and_holds_the_bound(tmp_path):
+    line = "[train] checkpoint global_step{}: training stopped for {} s ({}: ...)\n"
+    sync = tmp_path / "sync.log"
+    sync.write_text(line.format(10, "2.000", "sync") + line.format(20, "2.400", "sync"))
+    fast = tmp_path / "async.log"
+    fast.write_text(line.format(10, "0.900", "async") + line.format(20, "0.150", "async")
+                    + line.format(30, "0.170", "async"))
+    status, figure = checks.stall([sync], [fast])
+    assert status == "pass" and "async 0.160 s (first save" in figure and "0.900 s" in figure  # the median of 2
+    assert "ratio 0.073" in figure  # 0.160 / 2.200
+    fast.write_text(line.format(10, "0.9", "async") + line.format(20, "0.5", "async"))
+    assert checks.stall([sync], [fast])[0] == "fail"
+    assert checks.stall([sync], [sync])[0] == "fail"  # no async save found
+
+
+def test_generate_check_needs_every_token(tmp_path):
+    ours, theirs = tmp_path / "ours.jsonl", tmp_path / "theirs.jsonl"
+    theirs.write_text('{"prompt": "a", "tokens": [1, 2, 3]}\n{"prompt": "b", "tokens": [4, 5]}\n')
+    ours.write_text('{"prompt": "a", "completion": "x", "tokens": [1, 2, 3]}\n{"prompt": "b", "tokens": [4, 5]}\n')
+    assert checks.compare_generate(ours, theirs) == ("pass", "2 of 2 prompts' greedy tokens equal (5 tokens from "
+                                                             "transformers)")
+    ours.write_text('{"prompt": "a", "tokens": [1, 2, 3]}\n{"prompt": "b", "tokens": [4, 6]}\n')
+    assert checks.compare_generate(ours, theirs)[0] == "fail"
+
+
+def test_summary_counts_a_missing_record_as_a_failure(tmp_path, capsys):
+    checks.write_record(tmp_path, 1, "flash attention (SDPA)", "skip", "no CUDA device")
+    checks.write_record(tmp_path, 2, "resume", "pass", "bitwise")
+    assert checks.summary(tmp_path, [], expected=2) == 0
+    assert checks.summary(tmp_path, [], expected=3) == 1
+    out = capsys.readouterr().out
+    assert "all passed" in out and re.search(r"\n1 check\(s\) +fail +did not write a record", out)
+    checks.write_record(tmp_path, 3, "stall", "fail", "ratio 0.5")
+    assert checks.summary(tmp_path, [], expected=3) == 1
