@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -116,6 +117,37 @@ def task_manager(tasks: list[str], folders: list[Path]):
                         f"has {len(everything.all_tasks) - len(manager.all_tasks):,} more (lm_eval --tasks list), "
                         f"which need their datasets in the local cache (docs/evaluation.md)")
     return everything
+
+
+OFFLINE_HELP = ("run it once where the Hub is reachable, with HF_DATASETS_OFFLINE and HF_HUB_OFFLINE unset, to fill "
+                "~/.cache/huggingface/datasets (or copy a filled cache here), or write it as a local json task as "
+                "evaluation/tasks/ does (docs/evaluation.md)")
+
+
+def _unavailable(task: str, error: Exception) -> TaskError:
+    """One line for a task whose dataset is neither in the local cache nor reachable."""
+    quoted = re.search(r"'([\w.-]+/[\w.-]+)'", str(error))  # the Hub's dataset id: owner/name
+    dataset = f"dataset {quoted.group(1)}" if quoted else "its dataset"
+    return TaskError(f"task {task}: {dataset} is not in the local datasets cache and the Hub cannot be reached "
+                     f"({type(error).__name__}): {OFFLINE_HELP}")
+
+
+def load_tasks(tasks: list[str], include_paths: list[Path] = ()) -> None:
+    """Load each task's dataset once (from the cache), so that a task that cannot run is a TaskError naming it and
+    its dataset before a model is loaded."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    offline()
+    quiet_lm_eval()
+    if not tasks:
+        raise TaskError("no tasks given: pass --tasks, e.g. alice_lastword,alice_choice,alice_pages")
+    with resolved_task_folders([SHIPPED_TASKS, *map(Path, include_paths)]) as folders:
+        manager = task_manager(tasks, folders)
+        for task in tasks:
+            try:
+                manager.load([task])
+            except (ConnectionError, DatasetNotFoundError) as error:  # the Hub's offline and not-found errors
+                raise _unavailable(task, error) from None
 
 
 def quiet_lm_eval(level: int = logging.WARNING) -> None:

@@ -6,11 +6,15 @@
     projection.py    the best learning rate of each size (a parabola in ln lr), the power law lr = a N^b across
                      sizes (or a C^b), its bootstrap interval, the published references (GPT-3's Table 2.1,
                      DeepSeek LLM's law) and why their constants do not carry over
+    results.py       results.csv: its columns (defined there once) and the reading of its rows
+    projection_report.py  tools/project_lr.py's steps: sweep -> best LR per size -> the power law -> the target,
+                     as text and a plot
     grid.py          the grid file (YAML): its axes, the runs' names, every run's config checked before any launch
     sweep.py         the grid of short runs through the real trainer: launching, watching, resume, divergence
     report.py        results.csv, report.md and the plots
 
-tools/project_lr.py reads the sweep's results.csv and projects the learning rate to a run config's size.
+tools/project_lr.py (a thin main() over lab.projection_report.project) reads the sweep's results.csv and projects
+the learning rate to a run config's size.
 """
 
 from lab.projection import (

@@ -34,9 +34,10 @@ from typing import Any
 import yaml
 
 from lab.projection import non_embedding_parameters
+from lab.results import LR_COLUMN
 from training.config import PROJECT_BLOCKS, load_run_config
 
-LR_AXIS = "schedule.lr"
+LR_AXIS = LR_COLUMN  # the axis names its results.csv column
 GRID_KEYS = ("base", "set", "grid", "data")
 RESERVED_PATHS = {"training.save": "each run saves to DIR/runs/<name>"}
 MAX_NAME_LENGTH = 100

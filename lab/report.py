@@ -2,7 +2,7 @@
 
     file                       what
     results.csv                one row per run, in grid order: a column per axis (named by its path), then
-                               RESULT_COLUMNS; an empty cell where a run did not log the field
+                               RESULT_COLUMNS (lab/results.py: the columns and their meaning)
     report.md                  the grid, the LR sensitivity per configuration, the runs, the loss spikes, and the
                                end of each failed run's log
     final_loss_vs_lr.png       final loss against schedule.lr (log x), one line per configuration; a diverged run is
@@ -15,18 +15,6 @@ first logged loss (they share the seed, the model and the first batch: the value
 rate changes the first forward, which it does not). Its LR sensitivity is lab.sensitivity.lr_sensitivity of its runs'
 final losses, a diverged run counting as loss_0; failed runs are left out of it (a crash says nothing of the
 learning rate).
-
-results.csv, its columns (RESULT_COLUMNS) and their meaning:
-
-    parameters            non-embedding parameters of the run's model
-    tokens, steps         consumed tokens and optimizer steps at the last logged step
-    loss_0                the first logged loss (at initialisation with training.log_interval 1)
-    final_loss, min_loss  the last logged loss; the smallest finite one
-    diverged, status      true/false; finished, diverged or failed
-    spikes                the last logged cumulative count of loss spikes ("spikes" of the train records)
-    max_attention_logit   the largest "max_attention_logit" logged
-    min_log_z             the smallest "log_z_min" logged
-    seconds               wall time from launch to exit
 """
 
 from __future__ import annotations
@@ -39,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.files import atomic_open
 from lab.grid import LR_AXIS, format_value
+from lab.results import RESULT_COLUMNS
 from lab.sensitivity import lr_sensitivity
 from lab.sweep import RunResult, SweepOutcome, read_train_records
 
-RESULT_COLUMNS = ("parameters", "tokens", "steps", "loss_0", "final_loss", "min_loss", "diverged", "status", "spikes",
-                  "max_attention_logit", "min_log_z", "seconds")
 FINAL_LOSS_PLOT = "final_loss_vs_lr.png"
 LOSS_PLOT = "loss.png"
 LOGIT_PLOT = "max_attention_logit.png"
@@ -70,12 +58,10 @@ def write_results_csv(outcome: SweepOutcome) -> Path:
     """DIR/results.csv of the runs that have a result so far (all of them once the sweep is over)."""
     axes = list(outcome.grid.axes)
     path = outcome.output / "results.csv"
-    temporary = path.with_name(".results.csv.tmp")
-    with open(temporary, "w", newline="") as stream:
+    with atomic_open(path, "w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=[*axes, *RESULT_COLUMNS])
         writer.writeheader()
         writer.writerows(result_rows(axes, [r for r in outcome.results if r is not None]))
-    temporary.replace(path)
     return path
 
 

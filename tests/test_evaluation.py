@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -367,3 +368,20 @@ def test_tasks_during_training_leave_the_run_bitwise_unchanged(corpus, straight_
     ours, theirs = read_metrics(save / "metrics.jsonl"), read_metrics(straight_run / "metrics.jsonl")
     for key in ("step", "loss", "lr", "grad_norm", "consumed_samples"):
         assert [r[key] for r in ours] == [r[key] for r in theirs], key
+
+
+def test_a_standard_task_without_its_dataset_is_one_line_before_any_model(tmp_path):
+    """lambada_openai (MT-NLG's headline task) with the Hub unreachable and no cached dataset: the real failure,
+    reported in one line naming the task, its dataset and the fix, exit 2, before the (missing) checkpoint is read."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "empty-cache")}
+    result = subprocess.run([sys.executable, "tools/evaluate.py", "--checkpoint", str(tmp_path / "none"),
+                             "--tasks", "lambada_openai"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2 and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: task lambada_openai: dataset EleutherAI/lambada_openai is not in the local datasets cache and the Hub "
+        "cannot be reached (ConnectionError): run it once where the Hub is reachable, with HF_DATASETS_OFFLINE and "
+        "HF_HUB_OFFLINE unset, to fill ~/.cache/huggingface/datasets (or copy a filled cache here), or write it as a "
+        "local json task as evaluation/tasks/ does (docs/evaluation.md)"]
+    assert "Traceback" not in result.stderr

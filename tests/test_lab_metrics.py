@@ -1,5 +1,5 @@
 """The stability lab's learning-rate arithmetic: LR sensitivity, best LR per size, the power law, the references,
-and tools/project_lr.py on a synthetic sweep.
+and the projection of tools/project_lr.py (lab/projection_report.py) on a synthetic sweep.
 
 Exact: the sensitivity (sums of a few floats), the parabola's vertex and a noiseless power law (a planted law is
 recovered to rounding). Tolerant: the exponent of a noisy planted law, within 3 standard errors of the least-squares
@@ -26,6 +26,8 @@ from lab import (
     lr_sensitivity,
     non_embedding_parameters,
 )
+from lab.projection_report import project
+from lab.results import LR_COLUMN, PROJECTION_COLUMNS, RESULT_COLUMNS
 from model.config import preset
 from tools.project_lr import main as project_main
 
@@ -146,12 +148,11 @@ def test_non_embedding_parameters_of_the_530b_recipe():
     assert non_embedding_parameters(preset("530b")) == 105 * (12 * 20480**2 + 13 * 20480) + 2 * 20480
 
 
-# ------------------------------------------------------------------------------------------------ tools/project_lr.py
+# ------------------------------------------------------------------------------------------------ the projection
 
 
 PLANTED_SIZES = (1e6, 4e6, 1.6e7)
-COLUMNS = ["schedule.lr", "model.hidden_size", "parameters", "tokens", "final_loss", "min_loss", "diverged", "spikes",
-           "max_attention_logit", "min_log_z"]
+COLUMNS = [LR_COLUMN, "model.hidden_size", *RESULT_COLUMNS]  # the sweep's own header, one axis besides the lr
 
 
 def write_sweep(path, sizes=PLANTED_SIZES, columns=COLUMNS, extra: dict | None = None) -> None:
@@ -168,7 +169,8 @@ def write_sweep(path, sizes=PLANTED_SIZES, columns=COLUMNS, extra: dict | None =
                 writer.writerow({"schedule.lr": lr, "model.hidden_size": 64 * 2**index, "parameters": int(n),
                                  "tokens": 1e6 if diverged else 2e7, "final_loss": "nan" if diverged else loss,
                                  "min_loss": loss, "diverged": str(diverged).lower(), "spikes": 0,
-                                 "max_attention_logit": 10.0, "min_log_z": -1.0, **(extra or {})})
+                                 "status": "diverged" if diverged else "finished", "max_attention_logit": 10.0,
+                                 "min_log_z": -1.0, **(extra or {})})
 
 
 def after(out: str, label: str) -> list[str]:
@@ -176,6 +178,11 @@ def after(out: str, label: str) -> list[str]:
     lines = [line for line in out.splitlines() if label in line]
     assert len(lines) == 1, f"{label!r} on {len(lines)} lines of:\n{out}"
     return lines[0].split(label, 1)[1].split()
+
+
+def test_the_projection_columns_are_results_columns():
+    assert PROJECTION_COLUMNS == (LR_COLUMN, "parameters", "tokens", "final_loss", "diverged")
+    assert set(PROJECTION_COLUMNS) - set(RESULT_COLUMNS) == {LR_COLUMN}  # the lr is an axis, the rest results
 
 
 def test_project_lr_recovers_the_planted_law_and_plots(tmp_path, capsys):
@@ -204,11 +211,10 @@ def test_project_lr_recovers_the_planted_law_and_plots(tmp_path, capsys):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_project_lr_by_compute_uses_the_most_tokens_a_size_trained(tmp_path, capsys):
+def test_project_lr_by_compute_uses_the_most_tokens_a_size_trained(tmp_path):
     results = tmp_path / "results.csv"
     write_sweep(results)  # D = 2e7 for every size (the diverged run's 1e6 aside): C = 6 N D keeps the exponent
-    assert project_main(["--results", str(results), "--by", "compute"]) == 0
-    out = capsys.readouterr().out
+    out = project([results], by="compute")
     assert f"lr = {PLANTED_A * (6 * 2e7) ** -PLANTED_B:.4g} C^-0.3500" in out
 
 
@@ -224,26 +230,25 @@ def test_project_lr_errors_name_the_file_and_the_fix(tmp_path, capsys):
     assert f"{no_loss}: no column final_loss" in err and "give the results.csv the sweep wrote" in err
 
 
-def test_project_lr_refuses_a_second_axis_until_where_chooses(tmp_path, capsys):
+def test_project_lr_refuses_a_second_axis_until_where_chooses(tmp_path):
     first, second = tmp_path / "a.csv", tmp_path / "b.csv"
     write_sweep(first, extra={"model.init_method_std": 0.02})
     write_sweep(second, extra={"model.init_method_std": 0.01})
-    assert project_main(["--results", str(first), str(second)]) == 1
-    err = capsys.readouterr().err
-    assert (f"the runs differ in model.init_method_std (0.02 ({first} line 2), 0.01 ({second} line 2)), which is not "
-            f"a model size: the fit is over sizes of one recipe; choose one with --where model.init_method_std=0.02"
-            ) in err
-    assert project_main(["--results", str(first), str(second), "--where", "model.init_method_std=1e-2"]) == 0
-    assert "fit over 3 sizes: lr = 0.02 N^-0.3500" in capsys.readouterr().out
+    with pytest.raises(ValueError) as refused:
+        project([first, second])
+    assert str(refused.value) == (
+        f"the runs differ in model.init_method_std (0.02 ({first} line 2), 0.01 ({second} line 2)), which is not "
+        f"a model size: the fit is over sizes of one recipe; choose one with --where model.init_method_std=0.02")
+    assert "fit over 3 sizes: lr = 0.02 N^-0.3500" in project([first, second], where=["model.init_method_std=1e-2"])
 
 
-def test_project_lr_refuses_an_option_that_only_looks_like_another_size(tmp_path, capsys):
+def test_project_lr_refuses_an_option_that_only_looks_like_another_size(tmp_path):
     """qk_layernorm adds 2 d per block: its runs have another parameter count, but are not another model size."""
     plain, normed = tmp_path / "plain.csv", tmp_path / "normed.csv"
     write_sweep(plain, extra={"model.qk_layernorm": "false"})
     write_sweep(normed, extra={"model.qk_layernorm": "true"})
-    assert project_main(["--results", str(plain), str(normed)]) == 1
-    assert "differ in model.qk_layernorm" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="differ in model.qk_layernorm"):
+        project([plain, normed])
 
 
 def test_a_diverged_rate_inside_the_bracket_is_not_fitted_across():

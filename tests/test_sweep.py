@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from lab.grid import GridError, load_grid, plan_runs, run_names
-from lab.report import RESULT_COLUMNS, write_report
+from lab.report import write_report
+from lab.results import RESULT_COLUMNS
 from lab.sensitivity import lr_sensitivity
 from lab.sweep import DivergenceRule, MetricsTail, read_result, run_sweep
 from tools.sweep import main

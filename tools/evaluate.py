@@ -18,11 +18,10 @@ prints the metrics and writes --output (lm-eval's result dictionary as JSON).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
+from common.files import write_json_atomically
 from tools.inference_options import add_model_options, is_rank_zero, open_pipeline, run_and_clean_up
 from tools.streams import deepspeed_logs_to_stderr
 
@@ -61,9 +60,7 @@ def write_json(path: Path, results: dict) -> None:
     from lm_eval.utils import handle_non_serializable
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
-    os.replace(partial, path)
+    write_json_atomically(path, results, indent=2, default=handle_non_serializable, ensure_ascii=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed_logs_to_stderr()  # stdout carries results only
 
     def work() -> int:
-        from evaluation.harness import evaluate
+        from evaluation.harness import evaluate, load_tasks
         from evaluation.lm import ParallelLM
 
         tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+        load_tasks(tasks, args.include_path)  # a task that cannot run fails here, before the model is loaded
         pipeline, tokenizer, checkpoint = open_pipeline(args)
         lm = ParallelLM(pipeline, tokenizer, batch_size=args.batch_size)
         results = evaluate(lm, tasks, args.include_path, args.num_fewshot, args.limit, args.log_samples,
