@@ -1,23 +1,38 @@
 #!/usr/bin/env python
-"""How long a checkpoint stops training: "sync" against "async" (training/checkpoint_engine.py), side by side.
+"""How long a checkpoint stops training, "sync" against "async" (training/checkpoint_engine.py), and what the
+background writer costs the training loop meanwhile.
 
-    python benchmarks/bench_checkpoint_stall.py [--hidden 512] [--layers 8] [--saves 3] [--directory DIR]
+    python benchmarks/bench_checkpoint_stall.py [--hidden 512] [--layers 4] [--saves 4] [--ranks 1]
+                                                [--loop-mb 400] [--rounds 3] [--directory DIR] [--only stall|loop]
 
-Two ranks (PP 2, fp32, ZeRO-1) train a GPT whose checkpoint is about 600 MB (--hidden, --layers; GPT-2's
-vocabulary), writing to --directory (default: a temporary folder on the same disk as /tmp). For each mode, --saves
-checkpoints, 8 steps apart; for each: the seconds save() blocks the training thread, the stall (the time of the save
-call and the 5 steps after it, less 5 median steps), and the seconds from the save until ``latest`` names it. Each
-rank's snapshot takes host memory equal to what it writes. Printed by rank 0, the median over the saves.
+    part    what runs                                     what is printed
+    stall   --ranks (PP, fp32, ZeRO-1) train a GPT        per mode, the first save and the later ones apart (the
+            (--hidden, --layers; GPT-2's vocabulary),      median of saves 2..--saves): the seconds save() blocks the
+            --saves checkpoints 8 steps apart              training thread, the stall (the save call and the 5 steps
+                                                          after it, less 5 median steps), the seconds until
+                                                          ``latest`` names it, the host buffers allocated and their
+                                                          bytes; and the stall ratio async / sync (goal <= 0.1)
+    loop    one process, torch threads 1: a small MLP's    the step time without a write, while the engine's writer
+            forward, backward and Adam steps; its state    thread writes (the GIL shared with the loop), and while a
+            and --loop-mb of other tensors saved           forked process writes the same snapshot (no GIL shared);
+                                                          --rounds rounds of the three, interleaved; then the
+                                                          share of its time a pure-Python thread loses while the
+                                                          writer thread writes --loop-mb (the GIL the writer holds)
+
+The thread against the process separates what the GIL costs the loop from what sharing the CPU and the memory bus
+costs it (both writers do the same work). Checkpoints go to --directory (default: a temporary folder under /tmp).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def measure(directory: str, hidden: int, layers: int, saves: int) -> dict:
+# -- part 1: the stall of a save, --ranks ranks -----------------------------------------------------------------------
+def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: int) -> dict:
     import torch.distributed as dist
 
     from tests.test_model_parallel import deepspeed_config, micro_batches
@@ -35,7 +51,7 @@ def measure(directory: str, hidden: int, layers: int, saves: int) -> dict:
 
     raw = {**deepspeed_config("fp32"), "model": {"preset": "tiny", "num_layers": layers, "hidden_size": hidden,
                                                   "num_attention_heads": hidden // 64, "seq_length": 64},
-           "parallelism": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
+           "parallelism": {"tensor_parallel_size": 1, "pipeline_parallel_size": ranks},
            "schedule": {"lr": 3e-3, "warmup_tokens": 0, "decay_tokens": 1e6, "train_tokens": 1e9}}
     config = parse_run_config(raw)
     engine, ctx = build_engine(config.model, config.parallelism, config.deepspeed, 1234)
@@ -46,20 +62,21 @@ def measure(directory: str, hidden: int, layers: int, saves: int) -> dict:
         engine.train_batch(data_iter=micro_batches(next(counter), 64, 0, 1))
         return time.perf_counter() - start
 
-    results = {}
+    results: dict = {"ranks": ranks}
     for mode in ("sync", "async"):
         save_dir = Path(directory) / mode
         checkpointer = Checkpointer(engine, save_dir, mode)
+        buffers = checkpointer.files.buffers
         plain = [step() for _ in range(5)]
-        blocked, stalls, until_latest = [], [], []
+        per_save = []
         for number in range(saves):
             tag = f"global_step{1000 * (mode == 'async') + number + 1}"
+            allocations, allocated = buffers.allocations, buffers.allocated_bytes
             dist.barrier()
             start = time.perf_counter()
             checkpointer.save(int(tag.removeprefix("global_step")), {"train_state": {}})
-            blocked.append(time.perf_counter() - start)
-            timed = [blocked[-1]]
-            moved = blocked[-1] if mode == "sync" else None  # sync commits inside save()
+            blocked = time.perf_counter() - start
+            timed, moved = [blocked], blocked if mode == "sync" else None  # sync commits inside save()
             for index in range(8):
                 timed.append(step())
                 if checkpointer.poll() is not None and moved is None:
@@ -68,15 +85,146 @@ def measure(directory: str, hidden: int, layers: int, saves: int) -> dict:
                     plain.append(timed[-1])
             if checkpointer.wait() is not None or moved is None:
                 moved = time.perf_counter() - start
-            median = statistics.median(plain)
-            stalls.append(timed[0] + sum(timed[1:6]) - 5 * median)  # the save, and 5 steps over their median
-            until_latest.append(moved)
+            per_save.append({"blocked": blocked, "latest": moved,
+                             "stall": timed[0] + sum(timed[1:6]) - 5 * statistics.median(plain),
+                             "allocations": buffers.allocations - allocations,
+                             "allocated": buffers.allocated_bytes - allocated})
         checkpointer.close()
         files = [p for p in (save_dir / tag).iterdir() if p.is_file()]
-        results[mode] = {"blocked": statistics.median(blocked), "stall": statistics.median(stalls),
-                         "latest": statistics.median(until_latest), "median_step": statistics.median(plain),
+        results[mode] = {"saves": per_save, "median_step": statistics.median(plain),
                          "bytes": sum(p.stat().st_size for p in files)}
     return results
+
+
+def report_stall(results: dict, saves: int) -> None:
+    ranks = results["ranks"]
+    print(f"stall: a checkpoint of {results['sync']['bytes'] / 1e6:,.0f} MB (rank 0's files) on {ranks} rank(s) "
+          f"(PP {ranks}, fp32, ZeRO-1) on {os.cpu_count()} cores; median "
+          f"step {results['sync']['median_step']:.2f} s; rank 0; later saves: the median of saves 2..{saves}")
+    print(f"{'mode':<6} {'saves':<7} {'save blocks, s':>15} {'stall, s':>9} {'until latest, s':>16} "
+          f"{'buffers allocated':>18} {'MB allocated':>13}")
+    stalls = {}
+    for mode in ("sync", "async"):
+        first, later = results[mode]["saves"][0], results[mode]["saves"][1:]
+        rows = [("first", first)]
+        if later:
+            rows.append(("later", {key: statistics.median(save[key] for save in later) for key in first}))
+        for name, row in rows:
+            print(f"{mode:<6} {name:<7} {row['blocked']:>15.2f} {row['stall']:>9.2f} {row['latest']:>16.2f} "
+                  f"{row['allocations']:>18.0f} {row['allocated'] / 1e6:>13.1f}")
+        stalls[mode] = rows[-1][1]["stall"]
+    ratio = stalls["async"] / stalls["sync"] if stalls["sync"] > 0 else float("nan")
+    print(f"async stall / sync stall (later saves): {ratio:.3f} (goal <= 0.1)")
+
+
+# -- part 2: the loop while the writer writes, one process ----------------------------------------------------------
+def measure_loop(directory: str, loop_mb: int, rounds: int) -> dict:
+    import torch
+
+    from training.checkpoint_engine import HostBuffers, SnapshotCheckpointEngine, host_snapshot, write_file
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(8)])
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = torch.randn(32, 256)
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    other = {f"tensor_{i}": torch.randn(loop_mb * 2**20 // 16) for i in range(4)}  # 4 x loop_mb / 4 MB, fp32
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "other": other}
+    engine, process_buffers = SnapshotCheckpointEngine("async"), HostBuffers()
+    times: dict[str, list[float]] = {"none": [], "thread": [], "process": []}
+    writes: dict[str, list[float]] = {"thread": [], "process": []}
+    [step() for _ in range(20)]
+    for number in range(rounds + 1):  # round 0 allocates the buffers and warms the page cache: not counted
+        counted = number > 0
+        plain = [step() for _ in range(200)]
+        folder = Path(directory) / f"loop{number}"
+        folder.mkdir()
+        start = time.perf_counter()
+        engine.save(state, str(folder / "thread.pt"))
+        engine.start()
+        during = [step() for _ in iter(lambda: engine.finished, True)]
+        thread_s = time.perf_counter() - start
+        engine.wait()
+        engine.forget()
+        snapshot = host_snapshot(state, process_buffers, ("process.pt",))
+        process_buffers.end_save()
+        start = time.perf_counter()
+        writer = multiprocessing.get_context("fork").Process(target=write_file, args=(snapshot, folder / "process.pt"))
+        writer.start()  # forked: it reads the snapshot it inherited, nothing is pickled over
+        beside = [step() for _ in iter(writer.is_alive, False)]
+        process_s = time.perf_counter() - start
+        writer.join()
+        if counted:
+            times["none"] += plain
+            times["thread"] += during
+            times["process"] += beside
+            writes["thread"].append(thread_s)
+            writes["process"].append(process_s)
+    engine.cleanup()
+    return {"times": times, "writes": writes, "bytes": (Path(directory) / "loop0" / "thread.pt").stat().st_size}
+
+
+def report_loop(results: dict, rounds: int) -> None:
+    times, writes = results["times"], results["writes"]
+    plain_mean = statistics.mean(times["none"])
+    print(f"loop: one process, torch threads 1, an MLP (8 x 256 x 256, batch 32, Adam) saving "
+          f"{results['bytes'] / 1e6:,.0f} MB; {rounds} rounds")
+    print(f"{'writer':<28} {'write, s':>9} {'steps':>6} {'median step, ms':>16} {'mean step, ms':>14} "
+          f"{'longest, ms':>12} {'mean vs none':>13}")
+    names = {"none": "none", "thread": "thread (training process)", "process": "process (forked)"}
+    for kind in ("none", "thread", "process"):
+        write = f"{statistics.median(writes[kind]):.2f}" if kind in writes else "-"
+        mean = statistics.mean(times[kind]) if times[kind] else float("nan")
+        median = statistics.median(times[kind]) if times[kind] else float("nan")
+        longest = max(times[kind], default=float("nan"))
+        print(f"{names[kind]:<28} {write:>9} {len(times[kind]):>6} {median * 1e3:>16.2f} {mean * 1e3:>14.2f} "
+              f"{longest * 1e3:>12.1f} {mean / plain_mean - 1:>+13.1%}")
+    gil = (statistics.mean(times["thread"]) - statistics.mean(times["process"])) / plain_mean
+    print(f"what the GIL costs the loop (thread - process, mean step over none): {gil:+.1%}")
+
+
+def measure_gil(directory: str, loop_mb: int) -> dict:
+    """A pure-Python thread (it needs the GIL all the time) counts its loop's turns per second with nothing else
+    running, and while the engine's writer thread writes --loop-mb: the turns lost are the share of time the writer
+    held the GIL (on a loaded machine, plus the CPU taken by others: hence the idle figure)."""
+    import torch
+
+    from training.checkpoint_engine import SnapshotCheckpointEngine
+
+    state = {f"tensor_{i}": torch.randn(loop_mb * 2**20 // 16) for i in range(4)}
+    engine = SnapshotCheckpointEngine("async")
+
+    def turns_per_second(busy: Callable[[], bool]) -> float:
+        start, turns = time.perf_counter(), 0
+        while busy():
+            turns += 1
+        return turns / (time.perf_counter() - start)
+
+    until = time.perf_counter() + 2.0
+    results = {"none": turns_per_second(lambda: time.perf_counter() < until)}
+    for number in range(2):  # the first save allocates the buffers: only the second is counted
+        (Path(directory) / f"gil{number}").mkdir()
+        engine.save(state, str(Path(directory) / f"gil{number}" / "state.pt"))
+        engine.start()
+        results["writer"] = turns_per_second(lambda: not engine.finished)
+        engine.wait()
+        engine.forget()
+    engine.cleanup()
+    return results
+
+
+def report_gil(results: dict, loop_mb: int) -> None:
+    lost = 1 - results["writer"] / results["none"]
+    print(f"GIL: a pure-Python thread's turns per second, alone {results['none'] / 1e6:.2f} M, while the writer thread "
+          f"writes {4 * (loop_mb // 4)} MB {results['writer'] / 1e6:.2f} M: {lost:.0%} of its time lost to the writer")
 
 
 def main() -> None:
@@ -84,21 +232,25 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--loop-mb", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=("stall", "loop"))
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="training processes (PP): 1 leaves the writer a core of its own on 2 cores, as a GPU node "
+                             "leaves each rank spare cores; 2 on 2 cores gives it none, and the async stall is then "
+                             "the writer's CPU time taken from training")
     parser.add_argument("--directory", help="where the checkpoints go (default: a temporary folder)")
     args = parser.parse_args()
     from tests.distributed import run_distributed
 
     with tempfile.TemporaryDirectory(dir=args.directory) as directory:
-        results = run_distributed(2, measure, directory, args.hidden, args.layers, args.saves, timeout_s=3600)[0]
-    size = results["sync"]["bytes"]
-    print(f"checkpoint of {size / 1e6:,.0f} MB on 2 ranks (PP 2, fp32, ZeRO-1); median step "
-          f"{results['sync']['median_step']:.2f} s; the median of {args.saves} saves")
-    print(f"{'mode':<6} {'save blocks, s':>15} {'stall (save step + 5), s':>25} {'until latest moves, s':>22}")
-    for mode in ("sync", "async"):
-        r = results[mode]
-        print(f"{mode:<6} {r['blocked']:>15.2f} {r['stall']:>25.2f} {r['latest']:>22.2f}")
-    ratio = results["async"]["stall"] / results["sync"]["stall"] if results["sync"]["stall"] > 0 else float("nan")
-    print(f"async stall / sync stall: {ratio:.3f} (goal <= 0.1)")
+        if args.only != "loop":
+            results = run_distributed(args.ranks, measure_stall, directory, args.hidden, args.layers, args.saves,
+                                      args.ranks, timeout_s=3600)[0]
+            report_stall(results, args.saves)
+        if args.only != "stall":
+            report_loop(measure_loop(directory, args.loop_mb, args.rounds), args.rounds)
+            report_gil(measure_gil(directory, args.loop_mb), args.loop_mb)
 
 
 if __name__ == "__main__":
