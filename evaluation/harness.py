@@ -132,17 +132,24 @@ def _unavailable(task: str, error: Exception) -> TaskError:
                      f"({type(error).__name__}): {OFFLINE_HELP}")
 
 
-def load_tasks(tasks: list[str], include_paths: list[Path] = ()) -> None:
-    """Load each task's dataset once (from the cache), so that a task that cannot run is a TaskError naming it and
-    its dataset before a model is loaded."""
-    from datasets.exceptions import DatasetNotFoundError
-
+@contextmanager
+def _task_manager(tasks: list[str], include_paths: list[Path]) -> Iterator[Any]:
+    """lm-eval offline and quiet, the shipped tasks and ``include_paths`` resolved: a TaskManager that knows
+    ``tasks``, for the block."""
     offline()
     quiet_lm_eval()
     if not tasks:
         raise TaskError("no tasks given: pass --tasks, e.g. alice_lastword,alice_choice,alice_pages")
     with resolved_task_folders([SHIPPED_TASKS, *map(Path, include_paths)]) as folders:
-        manager = task_manager(tasks, folders)
+        yield task_manager(tasks, folders)
+
+
+def load_tasks(tasks: list[str], include_paths: list[Path] = ()) -> None:
+    """Load each task's dataset once (from the cache), so that a task that cannot run is a TaskError naming it and
+    its dataset before a model is loaded."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    with _task_manager(tasks, include_paths) as manager:
         for task in tasks:
             try:
                 manager.load([task])
@@ -162,12 +169,7 @@ def evaluate(lm, tasks: list[str], include_paths: list[Path] = (), num_fewshot: 
     available. Every rank must call it; lm-eval's results come back where LOCAL_RANK is 0."""
     from lm_eval import simple_evaluate
 
-    offline()
-    quiet_lm_eval()
-    if not tasks:
-        raise TaskError("no tasks given: pass --tasks, e.g. alice_lastword,alice_choice,alice_pages")
-    with resolved_task_folders([SHIPPED_TASKS, *map(Path, include_paths)]) as folders:
-        manager = task_manager(tasks, folders)
+    with _task_manager(tasks, include_paths) as manager:
         return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters, task_manager=manager,
                                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
