@@ -29,8 +29,9 @@ A replicated parameter then sees only this rank's positions, so its gradient is 
 ``sequence_parallel_parameters`` lists them (every parameter not marked tensor_model_parallel: the norms, the
 row-parallel biases, the position table) and their gradients are all-reduced over TP once per step, before the
 optimizer and its gradient norm see them (model/gpt.py, GPTPipelineModule). The per-head q/k norms
-(model.qk_layernorm) are replicated but see only this rank's heads: their gradients are partial sums with or without
-sequence parallelism (``partial_gradient_parameters`` lists what is reduced in each case).
+(model.qk_layernorm) are replicated but see only this rank's heads, and the MoE router and shared-expert gate weight
+this rank's partial expert outputs (model/moe.py): their gradients are partial sums with or without sequence
+parallelism (``partial_gradient_parameters`` lists what is reduced in each case).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def mark_shared_by_heads(param: nn.Parameter) -> None:
     param.shared_by_heads = True
 
 
+def mark_partial_over_tensor_parallel(param: nn.Parameter) -> None:
+    """A replicated parameter that each TP rank applies to its own partial results (the MoE router and shared-expert
+    gate, model/moe.py: they weight this rank's slice of the experts' outputs before the reduce): its gradient is a
+    partial sum over the TP ranks, with or without sequence parallelism."""
+    param.partial_over_tensor_parallel = True
+
+
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     """With sequence parallelism, the parameters whose gradients are partial sums over the TP ranks: every
     trainable one that is not sharded (the module docstring)."""
@@ -78,10 +86,11 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
 def partial_gradient_parameters(module: nn.Module, sequence_parallel: bool) -> list[nn.Parameter]:
     """The parameters whose gradients are partial sums over the TP ranks, to be all-reduced over TP once per step:
     with sequence parallelism every replicated one (sequence_parallel_parameters), without it those shared by the
-    heads (mark_shared_by_heads) only."""
+    heads (mark_shared_by_heads) and those applied to partial results (mark_partial_over_tensor_parallel) only."""
     if sequence_parallel:
         return sequence_parallel_parameters(module)
-    return [p for p in module.parameters() if p.requires_grad and getattr(p, "shared_by_heads", False)]
+    return [p for p in module.parameters() if p.requires_grad and (
+        getattr(p, "shared_by_heads", False) or getattr(p, "partial_over_tensor_parallel", False))]
 
 
 def all_reduce_sequence_parallel_gradients(module: nn.Module, group: Group) -> None:

@@ -13,6 +13,10 @@ the sequence (dim 1 of (b, s, h)), each rank holding s/R positions:
     gather_from_sequence_parallel_region      forward: all-gather seq   backward: reduce-scatter seq
     reduce_scatter_to_sequence_parallel_region forward: reduce-scatter  backward: all-gather seq
 
+and over the expert-parallel group (model/moe.py), rows exchanged with uneven splits:
+
+    all_to_all                                 forward: all-to-all        backward: the reverse all-to-all
+
 An all-gather and a reduce-scatter move the bytes of the one all-reduce they replace. The column-parallel layers
 fuse the all-gather with their matmul instead (model/layers.py), to store the shard rather than the gathered input.
 
@@ -134,3 +138,31 @@ gather_from_sequence_parallel_region = _region(
 reduce_scatter_to_sequence_parallel_region = _region(
     reduce_scatter_sequence, all_gather_sequence,
     "Partial sums (b, s, h) -> this rank's positions (b, s/R, h), summed over the ranks.")
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:
+    received = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(received, x.contiguous(), output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
+    return received
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None  # the rows go back
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:
+    """Rows of x (n, ...) exchanged over the group: the next input_splits[q] rows go to rank q, and the result
+    (sum(output_splits), ...) holds output_splits[q] rows from rank q, in rank order. Splits may be uneven or zero
+    (host lists: the caller exchanges the counts first). Gradients take the reverse exchange, its own dual."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, output_splits, input_splits, group)

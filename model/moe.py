@@ -1,0 +1,450 @@
+"""Mixture-of-Experts block: a deterministic top-k router, a dropless all-to-all dispatch over the expert-parallel
+group with uneven splits, SwiGLU experts stored as [E_local, ...] tensors and TP-sharded like the dense SwiGLUMLP,
+and an optional shared expert with a sigmoid gate (Qwen2-MoE).
+
+With E experts, k = top_k, F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size, R the tensor-parallel and
+P the expert-parallel size (EP ranks are data-parallel ranks with the same TP and PP coordinates), E_l = E / P, this
+TP rank r and EP rank p, which owns the experts [p E_l, (p + 1) E_l):
+
+    tensor                      shape             sharding
+    router.weight               [E, h]            replicated; gradient a partial sum over TP (below) and over EP
+    router.expert_bias (buffer) [E] fp32          replicated ("sigmoid_bias" only); no gradient, update_bias
+    experts.gate_up             [E_l, 2 F/R, h]   experts of p; per expert rows r of gate and of up, stacked
+                                                  (SwiGLUMLP's gate_up: partition_dim 1, stride 2)
+    experts.down                [E_l, h, F/R]     experts of p; columns r (partition_dim 2)
+    shared_expert.gate_up       [2 F_s/R, h]      rows r of gate and of up, stacked, as SwiGLUMLP's gate_up
+    shared_expert.down          [h, F_s/R]        columns r, as SwiGLUMLP's down
+    shared_expert.gate          [1, h]            replicated; gradient a partial sum over TP
+
+Every expert parameter carries ``expert_parallel = True``. Each expert draws its weights from seeds of its global
+index (model/init.py), so any TP x EP split holds exactly the slices of the unsplit block.
+
+The dispatch of one forward, T = b s tokens of this EP rank (the whole sequence, also with sequence parallelism),
+n = assignments kept (T k when dropless), m = assignments received from the EP group:
+
+    step                                                         shape
+    1 enter the TP region: copy, or all-gather the sequence      (b, s, h) or (b, s/R, h) -> tokens (T, h), the same on
+                                                                 every TP rank of this EP rank
+    2 route in fp32: logits, scores, top-k, gate weights         (T, E), (T, E), experts (T, k), weights (T, k)
+    3 sort the assignments by expert (stable: token order kept)  order (n,), counts (E,); rows tokens[order // k] (n, h)
+    4 all-to-all the counts over EP                              (P, E_l): rows from rank q for local expert j
+    5 all-to-all the rows, uneven splits                         (n, h) -> (m, h), by source rank, then expert
+    6 regroup by local expert (stable), run each expert          (m, h) -> (m, h), partial over TP
+    7 ungroup, reverse all-to-all                                (m, h) -> (n, h)
+    8 unsort, weight, sum over the k choices in router order     (T, k, h) -> (T, h), partial over TP
+    9 + sigmoid(tokens w_gate^T) * shared expert                 (T, h), partial over TP
+    10 leave the TP region: all-reduce, or reduce-scatter         (b, s, h) or (b, s/R, h)
+
+Each token's output is its own k rows, weighted and summed in a fixed order, so it does not depend on the split; an
+expert's rows arrive from rank 0, 1, ... in token order, the order of the unsplit block over the ranks' tokens
+concatenated. Only the matmul blocking of different row counts can change last bits. The experts run one matmul
+pair per local expert on its contiguous rows (Experts.forward), exact on CPU; a grouped GEMM on GPU is not used yet.
+The aux and z losses and the counts are over this EP rank's tokens, as a data-parallel replica's loss is over its
+own: an EP rank is a data-parallel rank, with the same data at any EP.
+
+Gradients. Every TP rank routes the same tokens but combines only its partial expert outputs (steps 8 and 9), so the
+router's and the shared gate's gradients are partial sums over TP, with or without sequence parallelism: they are
+marked (model.layers.mark_partial_over_tensor_parallel) for the per-step TP all-reduce. The auxiliary losses
+(MoEStats) are computed whole on every TP rank, so when attached their gradient reaches x through the TP all-reduce
+of step 1's backward (and the router through the TP all-reduce of its gradient) R times: attach them multiplied by
+MoEStats.loss_scale = 1 / R.
+
+Capacity (capacity_factor, None by default: dropless). Each EP rank keeps at most C = ceil(capacity_factor T k / E)
+of its own assignments per expert, the highest gate weights first (ties: the earlier assignment), before the
+dispatch; a dropped assignment adds nothing to its token (no renormalisation, as in Switch/GShard). C counts this
+rank's tokens only, so with a capacity the results depend on the split (and the micro-batch): the unsplit block
+ranks all tokens against one C over their concatenation, the split one each rank's tokens against its own C.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.init import normal_sharded_, parameter_seed
+from model.layers import mark_partial_over_tensor_parallel, mark_tensor_parallel
+from model.parallel import ParallelContext
+from model.primitives import (
+    Group,
+    all_to_all,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+ROUTERS = ("softmax", "sigmoid_bias")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The experts of the sparse layers (``model.moe``)."""
+
+    num_experts: int
+    """Routed experts E of each sparse layer. Must divide by parallelism.expert_parallel_size."""
+    top_k: int
+    """Experts each token is routed to (Mixtral 2, Qwen3-MoE 8); at most num_experts."""
+    moe_ffn_hidden_size: int
+    """Inner width F of each routed SwiGLU expert. Must divide by the tensor-parallel size."""
+    router: str = "softmax"
+    """"softmax" (Mixtral, Qwen: softmax scores select and weight) or "sigmoid_bias" (DeepSeek-V3's aux-loss-free
+    router: sigmoid scores weight, scores plus a per-expert bias select, the bias moved by update_bias each step)."""
+    norm_topk_prob: bool = True
+    """Divide the k selected scores by their sum (Mixtral always; Qwen's norm_topk_prob)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Inner width of a dense SwiGLU expert every token passes through, its output scaled by sigmoid(x w_gate^T)
+    (Qwen2-MoE); 0: none."""
+    aux_loss_coeff: float = 1e-3
+    """Weight of the Switch/GShard load-balancing loss E sum_e f_e P_e (f_e: fraction of the assignments routed to
+    e, P_e: mean router probability of e). transformers' load_balancing_loss_func is k times this loss, so its
+    router_aux_loss_coef c is aux_loss_coeff = c k here."""
+    router_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0: off."""
+    capacity_factor: float | None = None
+    """None: dropless (every assignment is computed). A positive number: each expert takes at most
+    ceil(capacity_factor T k / E) of the T tokens of an EP rank, the rest are dropped (module docstring)."""
+    sparse_every: int = 1
+    """Layer n (1-based, model/gpt.py's layer_number) is sparse when n % sparse_every == 0 (transformers'
+    decoder_sparse_step); 1: every layer."""
+    first_dense_layers: int = 0
+    """The first this many layers are dense whatever sparse_every says (DeepSeek's first_k_dense_replace; Qwen's
+    mlp_only_layers = [0 .. k-1])."""
+    bias_update_rate: float = 1e-3
+    """"sigmoid_bias" only: each step moves every expert's bias by this much towards balance (DeepSeek-V3's gamma)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "moe_ffn_hidden_size", "sparse_every"):
+            value = getattr(self, name)
+            _require(_is_positive_int(value), f"model.moe.{name} must be a positive integer, got {value!r}")
+        _require(self.top_k <= self.num_experts,
+                 f"model.moe.top_k ({self.top_k}) is larger than model.moe.num_experts ({self.num_experts}): "
+                 f"route each token to at most num_experts experts")
+        _require(self.router in ROUTERS, f"model.moe.router must be one of {ROUTERS}, got {self.router!r}")
+        _require(isinstance(self.norm_topk_prob, bool),
+                 f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        for name in ("shared_expert_ffn_hidden_size", "first_dense_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     f"model.moe.{name} must be a non-negative integer (0: none), got {value!r}")
+        for name in ("aux_loss_coeff", "router_z_loss_coeff", "bias_update_rate"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and value >= 0,
+                     f"model.moe.{name} must be a non-negative number (0: off), got {value!r}")
+        if self.capacity_factor is not None:
+            _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+                     f"model.moe.capacity_factor must be a positive number, or null for dropless routing, got "
+                     f"{self.capacity_factor!r}")
+
+    def is_sparse(self, layer_number: int) -> bool:
+        """Whether block ``layer_number`` (1-based) has experts instead of the dense MLP."""
+        return layer_number > self.first_dense_layers and layer_number % self.sparse_every == 0
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert takes from ``tokens`` tokens of one EP rank; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+
+def check_expert_parallel(moe: MoEConfig, expert_parallel_size: int, data_parallel_size: int) -> None:
+    """The expert-parallel size against the experts and the data-parallel size, before any process group exists."""
+    ep = expert_parallel_size
+    _require(_is_positive_int(ep), f"parallelism.expert_parallel_size must be a positive integer, got {ep!r}")
+    _require(moe.num_experts % ep == 0,
+             f"parallelism.expert_parallel_size ({ep}) does not divide model.moe.num_experts ({moe.num_experts}): "
+             f"choose one of {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}")
+    _require(data_parallel_size % ep == 0,
+             f"parallelism.expert_parallel_size ({ep}) does not divide the data-parallel size ({data_parallel_size}, "
+             f"world / (TP x PP)): the EP groups are made of data-parallel ranks; choose one of "
+             f"{[d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]}")
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    _require(numerator % denominator == 0,
+             f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+# ------------------------------------------------------------------------------------------------------- the router
+
+
+@dataclass
+class Routing:
+    """One router call over T tokens (every tensor fp32 but the integer ones)."""
+
+    logits: torch.Tensor
+    """(T, E): tokens @ router.weight^T."""
+    experts: torch.Tensor
+    """(T, k) int64: the selected experts, best first."""
+    weights: torch.Tensor
+    """(T, k): their gate weights (scores, normalised over the k when norm_topk_prob)."""
+    aux_loss: torch.Tensor
+    """(): E sum_e f_e P_e, f_e = tokens_per_expert[e] / (T k), P_e = mean probability of e over the tokens."""
+    z_loss: torch.Tensor
+    """(): mean over the tokens of logsumexp(logits)^2."""
+    tokens_per_expert: torch.Tensor
+    """(E,) int64: assignments routed to each expert (before any capacity drop)."""
+
+
+def top_k_experts(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best experts (T, k) of each token's scores (T, E), best first. A tie goes to the lower expert index, on
+    every device: a stable descending sort keeps equal scores in index order, whereas torch.topk leaves the order of
+    equal values unspecified (its CPU kernel is deterministic, its CUDA kernels need not agree with it)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+class Router(nn.Module):
+    """logits = tokens @ weight^T in fp32; softmax (or sigmoid) scores; top-k; gate weights; aux and z losses."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, *, init_std: float, seed: int) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.kind, self.norm_topk_prob = (moe.num_experts, moe.top_k, moe.router,
+                                                                        moe.norm_topk_prob)
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        normal_sharded_(self.weight, init_std, seed)
+        mark_partial_over_tensor_parallel(self.weight)
+        if moe.router == "sigmoid_bias":  # fp32 and saved in checkpoints; the caller keeps it fp32 under bf16
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, device=self.weight.device))
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        logits = F.linear(tokens.float(), self.weight.float())  # (T, E) fp32
+        if self.kind == "softmax":
+            scores = probabilities = logits.softmax(dim=-1)
+            experts = top_k_experts(scores, self.top_k)
+        else:  # the bias chooses, it does not weigh (DeepSeek-V3)
+            scores = logits.sigmoid()
+            probabilities = scores / scores.sum(dim=-1, keepdim=True)
+            experts = top_k_experts(scores.detach() + self.expert_bias.float(), self.top_k)
+        weights = scores.gather(-1, experts)  # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts)  # (E,)
+        routed_fraction = tokens_per_expert.float() / experts.numel()  # f_e, sums to 1
+        aux_loss = self.num_experts * (routed_fraction * probabilities.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        return Routing(logits, experts, weights, aux_loss, z_loss, tokens_per_expert)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's rule, after a step: b_e += rate sign(mean load - load_e), so an overloaded expert is chosen
+        less. ``tokens_per_expert`` (E,) must be the same on every replica (the caller sums it over the data and
+        pipeline ranks), so that every copy of the bias moves alike."""
+        load = tokens_per_expert.float()
+        self.expert_bias.add_(torch.sign(load.mean() - load).to(self.expert_bias.device), alpha=rate)
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, experts {self.num_experts}, top {self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
+                f"fp32 (gradient partial over TP)")
+
+
+# ------------------------------------------------------------------------------------------------------ the experts
+
+
+def _init_swiglu_(gate_up: torch.Tensor, down: torch.Tensor, ffn: int, row_start: int, *, init_std: float,
+                  output_init_std: float, seed_gate_up: int, seed_down: int) -> None:
+    """gate_up [2 F/R, h] (rows r of gate, then of up) and down [h, F/R] (columns r) as ColumnParallelLinear with
+    sub_matrices 2 and RowParallelLinear initialise them: each global row / column from its own generator."""
+    rows = gate_up.shape[0] // 2
+    for index, block in enumerate(gate_up.split(rows)):  # [F/R, h] views: rows r of gate (0) and of up (1)
+        normal_sharded_(block, init_std, seed_gate_up, shard_dim=0, shard_offset=index * ffn + row_start)
+    normal_sharded_(down, output_init_std, seed_down, shard_dim=1, shard_offset=row_start)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # each (n, F/R)
+    return F.linear(F.silu(gate) * up, down)  # (n, h), partial over TP
+
+
+class Experts(nn.Module):
+    """This EP rank's E_l SwiGLU experts, global indices [first, first + E_l), each TP-sharded as SwiGLUMLP."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, ctx: ParallelContext, *, first: int, count: int,
+                 init_std: float, output_init_std: float, seed: int, layer_number: int) -> None:
+        super().__init__()
+        self.first, self.ffn = first, moe.moe_ffn_hidden_size
+        rows = _divide(moe.moe_ffn_hidden_size, ctx.tensor_parallel_size, "model.moe.moe_ffn_hidden_size")
+        self.row_start = ctx.tensor_parallel_rank * rows
+        self.gate_up = nn.Parameter(torch.empty(count, 2 * rows, hidden_size))
+        self.down = nn.Parameter(torch.empty(count, hidden_size, rows))
+        mark_tensor_parallel(self.gate_up, partition_dim=1, partition_stride=2)
+        mark_tensor_parallel(self.down, partition_dim=2)
+        for parameter in (self.gate_up, self.down):
+            parameter.expert_parallel = True
+        for local, expert in enumerate(range(first, first + count)):
+            _init_swiglu_(self.gate_up.data[local], self.down.data[local], self.ffn, self.row_start,
+                          init_std=init_std, output_init_std=output_init_std,
+                          seed_gate_up=parameter_seed(seed, layer_number, f"moe.experts.{expert}.gate_up"),
+                          seed_down=parameter_seed(seed, layer_number, f"moe.experts.{expert}.down"))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows (m, h) grouped by local expert, counts[j] of expert j -> (m, h), partial over TP. One matmul pair
+        per expert on its contiguous slice: exact, and an expert with no rows still gets a (zero) gradient."""
+        outputs = [_swiglu(chunk, self.gate_up[local], self.down[local])
+                   for local, chunk in enumerate(rows.split(counts))]
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        count, rows = self.gate_up.shape[0], self.gate_up.shape[1] // 2
+        return (f"experts [{self.first}, {self.first + count}), ffn rows [{self.row_start}, {self.row_start + rows}) "
+                f"of {self.ffn} in gate and up")
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: sigmoid(x w_gate^T) * SwiGLU(x), inside the block's TP region (partial over TP)."""
+
+    def __init__(self, ffn: int, hidden_size: int, ctx: ParallelContext, *, init_std: float, output_init_std: float,
+                 seed: int, layer_number: int) -> None:
+        super().__init__()
+        self.ffn = ffn
+        rows = _divide(ffn, ctx.tensor_parallel_size, "model.moe.shared_expert_ffn_hidden_size")
+        self.row_start = ctx.tensor_parallel_rank * rows
+        self.gate_up = nn.Parameter(torch.empty(2 * rows, hidden_size))
+        self.down = nn.Parameter(torch.empty(hidden_size, rows))
+        self.gate = nn.Parameter(torch.empty(1, hidden_size))
+        mark_tensor_parallel(self.gate_up, partition_dim=0, partition_stride=2)
+        mark_tensor_parallel(self.down, partition_dim=1)
+        mark_partial_over_tensor_parallel(self.gate)
+        _init_swiglu_(self.gate_up.data, self.down.data, ffn, self.row_start, init_std=init_std,
+                      output_init_std=output_init_std,
+                      seed_gate_up=parameter_seed(seed, layer_number, "moe.shared_expert.gate_up"),
+                      seed_down=parameter_seed(seed, layer_number, "moe.shared_expert.down"))
+        normal_sharded_(self.gate, init_std, parameter_seed(seed, layer_number, "moe.shared_expert.gate"))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens (T, h), the same on every TP rank; the gate (T, 1) scales this rank's partial output
+        return torch.sigmoid(F.linear(tokens, self.gate)) * _swiglu(tokens, self.gate_up, self.down)
+
+    def extra_repr(self) -> str:
+        rows = self.down.shape[1]
+        return f"ffn rows [{self.row_start}, {self.row_start + rows}) of {self.ffn}, sigmoid gate"
+
+
+# --------------------------------------------------------------------------------------------------- the dispatch
+
+
+def sort_assignments(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept assignments of (T, k) ``experts`` as flat indices into T k, sorted by expert then token (stable),
+    their count per expert (E,), and the number dropped (()). With a capacity C, an expert keeps its C assignments of
+    highest weight, ties to the earlier one."""
+    flat = experts.reshape(-1)  # (T k,)
+    routed = torch.bincount(flat, minlength=num_experts)  # (E,)
+    if capacity is None:
+        return torch.argsort(flat, stable=True), routed, routed.new_zeros(())
+    by_priority = torch.argsort(weights.reshape(-1), descending=True, stable=True)
+    order = by_priority[torch.argsort(flat[by_priority], stable=True)]  # by expert, then weight
+    starts = torch.cumsum(routed, dim=0) - routed
+    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    order = order[rank_in_expert < capacity].sort().values  # the kept, in token order
+    order = order[torch.argsort(flat[order], stable=True)]  # then by expert, as when dropless
+    kept = routed.clamp(max=capacity)
+    return order, kept, (routed - kept).sum()
+
+
+def combine(outputs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """outputs (n, h) of the assignments ``order`` (flat indices into T k) -> (T, h): each token's k outputs
+    weighted by weights (T, k) and summed in router order; a dropped assignment counts as zero."""
+    tokens, k = weights.shape
+    slot = torch.full((tokens * k,), outputs.shape[0], dtype=torch.int64, device=outputs.device)  # n: the zero row
+    slot[order] = torch.arange(order.numel(), device=outputs.device)
+    padded = torch.cat([outputs, outputs.new_zeros(1, outputs.shape[1])])  # (n + 1, h)
+    return (padded[slot].view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)  # (T, h)
+
+
+@dataclass
+class MoEStats:
+    """What one forward reports besides its output, for this EP rank's tokens (not attached to anything)."""
+
+    aux_loss: torch.Tensor
+    """() fp32, unscaled (Routing.aux_loss); attach aux_loss_coeff x loss_scale x this."""
+    z_loss: torch.Tensor
+    """() fp32, unscaled (Routing.z_loss); attach router_z_loss_coeff x loss_scale x this."""
+    tokens_per_expert: torch.Tensor
+    """(E,) int64: routed assignments per expert, for the load imbalance (max / mean) once summed over replicas."""
+    dropped: torch.Tensor
+    """() int64: assignments dropped by the capacity (0 when dropless)."""
+    loss_scale: float
+    """1 / TP: the auxiliary losses are whole on every TP rank and their gradients pass a TP all-reduce."""
+
+
+class MoEBlock(nn.Module):
+    """The sparse MLP of one block: (b, s, h), or (b, s/R, h) with sequence parallelism, -> the same shape, plus
+    MoEStats (module docstring). ``expert_parallel_group`` None means EP 1."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, ctx: ParallelContext, *, seed: int, layer_number: int,
+                 init_std: float, output_init_std: float, expert_parallel_group: Group = None) -> None:
+        super().__init__()
+        self.moe, self.group, self.sequence_parallel = moe, ctx.tensor_parallel_group, ctx.sequence_parallel
+        self.expert_group = expert_parallel_group
+        self.expert_parallel_size = group_size(expert_parallel_group)
+        _require(moe.num_experts % self.expert_parallel_size == 0,
+                 f"parallelism.expert_parallel_size ({self.expert_parallel_size}) does not divide "
+                 f"model.moe.num_experts ({moe.num_experts})")
+        self.local_experts = moe.num_experts // self.expert_parallel_size
+        self.loss_scale = 1.0 / ctx.tensor_parallel_size
+        self.router = Router(moe, hidden_size, init_std=init_std, seed=parameter_seed(seed, layer_number, "moe.router"))
+        self.experts = Experts(moe, hidden_size, ctx, first=group_rank(expert_parallel_group) * self.local_experts,
+                               count=self.local_experts, init_std=init_std, output_init_std=output_init_std,
+                               seed=seed, layer_number=layer_number)
+        self.shared_expert = None
+        if moe.shared_expert_ffn_hidden_size:
+            self.shared_expert = SharedExpert(moe.shared_expert_ffn_hidden_size, hidden_size, ctx, init_std=init_std,
+                                              output_init_std=output_init_std, seed=seed, layer_number=layer_number)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        if self.sequence_parallel:
+            tokens = gather_from_sequence_parallel_region(x, self.group)  # (b, s, h) from (b, s/R, h)
+        else:
+            tokens = copy_to_tensor_parallel_region(x, self.group)  # (b, s, h)
+        shape = tokens.shape
+        tokens = tokens.reshape(-1, shape[-1])  # (T, h)
+        routing = self.router(tokens)
+        capacity = self.moe.capacity(tokens.shape[0])
+        order, counts, dropped = sort_assignments(routing.experts, routing.weights, self.moe.num_experts, capacity)
+        rows = tokens[order // self.moe.top_k]  # (n, h), by expert
+        outputs = combine(self._run_experts(rows, counts), order, routing.weights.to(x.dtype))  # (T, h), partial
+        if self.shared_expert is not None:
+            outputs = outputs + self.shared_expert(tokens)
+        outputs = outputs.view(shape)  # (b, s, h), partial over TP
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(outputs, self.group)  # (b, s/R, h)
+        else:
+            out = reduce_from_tensor_parallel_region(outputs, self.group)  # (b, s, h)
+        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert, dropped, self.loss_scale)
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (n, h) sorted by global expert, counts (E,) -> the experts' outputs (n, h) in the same order, each
+        row computed by the EP rank that owns its expert (steps 4 to 7)."""
+        ranks, local = self.expert_parallel_size, self.local_experts
+        if ranks == 1:
+            return self.experts(rows, counts.tolist())
+        received = all_to_all(counts, [local] * ranks, [local] * ranks, self.expert_group).view(ranks, local)
+        sent_host, received_host = torch.stack([counts.view(ranks, local), received]).tolist()  # one host copy
+        send_splits, receive_splits = [sum(c) for c in sent_host], [sum(c) for c in received_host]
+        arrived = all_to_all(rows, receive_splits, send_splits, self.expert_group)  # (m, h): by source, then expert
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(
+            received.reshape(-1), output_size=arrived.shape[0])
+        by_expert = torch.argsort(expert_of_row, stable=True)  # sources in rank order within each expert
+        computed = self.experts(arrived[by_expert], received.sum(dim=0).tolist())
+        back = computed[torch.argsort(by_expert)]  # (m, h) by source again
+        return all_to_all(back, send_splits, receive_splits, self.expert_group)  # (n, h)
+
+    def extra_repr(self) -> str:
+        capacity = "dropless" if self.moe.capacity_factor is None else f"capacity factor {self.moe.capacity_factor}"
+        return (f"EP {self.expert_parallel_size} ({self.local_experts} local experts), {capacity}, "
+                f"sequence_parallel={self.sequence_parallel}")
