@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.dtypes import PRECISIONS
+from model.presets import PRESETS
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("learned", "rope")
@@ -24,6 +25,7 @@ BIASES = ("all", "none", "qkv")
 RECOMPUTE = ("none", "selective", "full")
 ROPE_SCALING_TYPES = ("llama3",)
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROUTERS = ("softmax", "sigmoid_bias")  # model.moe.router
 GPT2_VOCAB_SIZE = 50257
 
 
@@ -42,6 +44,95 @@ def set_option(path: str, value: Any) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The experts of the sparse layers (``model.moe``); model/moe.py's docstring says what the block does with them."""
+
+    num_experts: int
+    """Routed experts E of each sparse layer. Must divide by parallelism.expert_parallel_size."""
+    top_k: int
+    """Experts each token is routed to (Mixtral 2, Qwen3-MoE 8); at most num_experts."""
+    moe_ffn_hidden_size: int
+    """Inner width F of each routed SwiGLU expert. Must divide by the tensor-parallel size."""
+    router: str = "softmax"
+    """"softmax" (Mixtral, Qwen: softmax scores select and weight) or "sigmoid_bias" (DeepSeek-V3's aux-loss-free
+    router: sigmoid scores weight, scores plus a per-expert bias select, the bias moved by update_bias each step)."""
+    norm_topk_prob: bool = True
+    """Divide the k selected scores by their sum (Mixtral always; Qwen's norm_topk_prob)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Inner width of a dense SwiGLU expert every token passes through, its output scaled by sigmoid(x w_gate^T)
+    (Qwen2-MoE); 0: none."""
+    aux_loss_coeff: float = 1e-3
+    """Weight of the Switch/GShard load-balancing loss E sum_e f_e P_e (f_e: fraction of the assignments routed to
+    e, P_e: mean router probability of e). transformers' load_balancing_loss_func is k times this loss, so its
+    router_aux_loss_coef c is aux_loss_coeff = c k here."""
+    router_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0: off."""
+    capacity_factor: float | None = None
+    """None: dropless (every assignment is computed). A positive number: each expert takes at most
+    ceil(capacity_factor T k / E) of the T tokens of an EP rank, the rest are dropped (model/moe.py's docstring)."""
+    sparse_every: int = 1
+    """Layer n (1-based, model/gpt.py's layer_number) is sparse when n % sparse_every == 0 (transformers'
+    decoder_sparse_step); 1: every layer."""
+    first_dense_layers: int = 0
+    """The first this many layers are dense whatever sparse_every says (DeepSeek's first_k_dense_replace; Qwen's
+    mlp_only_layers = [0 .. k-1])."""
+    bias_update_rate: float = 1e-3
+    """"sigmoid_bias" only: each step moves every expert's bias by this much towards balance (DeepSeek-V3's gamma)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "moe_ffn_hidden_size", "sparse_every"):
+            value = getattr(self, name)
+            _require(_is_positive_int(value), f"model.moe.{name} must be a positive integer, got {value!r}")
+        _require(self.top_k <= self.num_experts,
+                 f"model.moe.top_k ({self.top_k}) is larger than model.moe.num_experts ({self.num_experts}): "
+                 f"route each token to at most num_experts experts")
+        _require(self.router in ROUTERS, f"model.moe.router must be one of {ROUTERS}, got {self.router!r}")
+        _require(isinstance(self.norm_topk_prob, bool),
+                 f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        for name in ("shared_expert_ffn_hidden_size", "first_dense_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     f"model.moe.{name} must be a non-negative integer (0: none), got {value!r}")
+        for name in ("aux_loss_coeff", "router_z_loss_coeff", "bias_update_rate"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and value >= 0,
+                     f"model.moe.{name} must be a non-negative number (0: off), got {value!r}")
+        if self.capacity_factor is not None:
+            _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+                     f"model.moe.capacity_factor must be a positive number, or null for dropless routing, got "
+                     f"{self.capacity_factor!r}")
+
+    @classmethod
+    def from_dict(cls, values: Any) -> MoEConfig:
+        """model.moe from its JSON object (a run config, or the run config saved in a checkpoint), or as given."""
+        if isinstance(values, MoEConfig):
+            return values
+        _require(isinstance(values, dict), f"model.moe must be an object of the experts' fields (num_experts, top_k, "
+                                           f"moe_ffn_hidden_size, ...) or null, got {values!r}")
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(values) - {f.name for f in fields})
+        _require(not unknown, f"unknown key(s) {unknown} in block \"model.moe\": known keys are "
+                              f"{sorted(f.name for f in fields)}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in values]
+        _require(not missing, f"model.moe lacks {missing}: give num_experts, top_k and moe_ffn_hidden_size")
+        return cls(**values)
+
+    def is_sparse(self, layer_number: int) -> bool:
+        """Whether block ``layer_number`` (1-based) has experts instead of the dense MLP."""
+        return layer_number > self.first_dense_layers and layer_number % self.sparse_every == 0
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert takes from ``tokens`` tokens of one EP rank; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
 
 @dataclass
@@ -121,6 +212,10 @@ class ModelConfig:
     """A norm on each query and key head before the dot product (and before RoPE), of width head_dim, its weights
     shared by the heads: "layernorm" or "rmsnorm" following ``norm`` (Qwen3's q_norm / k_norm; Wortsman et al. 2023:
     it bounds the attention logits, |q.k| / sqrt(d) <= sqrt(d) with unit gains)."""
+    moe: MoEConfig | None = None
+    """None: every block has the dense MLP. Else the experts of the sparse blocks (MoEConfig: which blocks, how many
+    experts of what width, the router), in JSON an object of its fields; the other blocks keep the dense MLP of
+    ffn_hidden_size. Needs mlp "swiglu": the experts are SwiGLU MLPs (Mixtral's, Qwen-MoE's)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -198,6 +293,11 @@ class ModelConfig:
                      f"model.rope_scaling is set but model.position_embedding is {self.position_embedding!r}: "
                      f"set position_embedding to \"rope\" or rope_scaling to null")
             self._check_rope_scaling(self.rope_scaling)
+        if self.moe is not None:
+            self.moe = MoEConfig.from_dict(self.moe)
+            _require(self.mlp == "swiglu",
+                     f"model.moe needs model.mlp \"swiglu\" (the experts are SwiGLU MLPs), got {self.mlp!r}: set "
+                     f"model.mlp to \"swiglu\", or remove model.moe")
 
     @staticmethod
     def _check_rope_scaling(scaling: Any) -> None:
@@ -266,9 +366,11 @@ class ModelConfig:
         return self.recompute if self.recomputes_block(layer_number, pipeline_parallel_size) else "none"
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int,
-                       sequence_parallel: bool = False, stages_per_rank: int = 1) -> None:
-        """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too);
-        ``stages_per_rank``: 2 under DualPipeV, whose PP ranks hold 2 PP stages."""
+                       sequence_parallel: bool = False, stages_per_rank: int = 1,
+                       expert_parallel_size: int = 1) -> None:
+        """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too, and the
+        experts EP ways: their split over the data-parallel ranks is checked once the world is known, RunConfig's
+        check_world); ``stages_per_rank``: 2 under DualPipeV, whose PP ranks hold 2 PP stages."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         _require(isinstance(tp, int) and tp > 0, f"parallelism.tensor_parallel_size must be a positive integer, got {tp!r}")
         _require(isinstance(pp, int) and pp > 0,
@@ -283,6 +385,7 @@ class ModelConfig:
         _require(self.ffn_hidden_size % tp == 0,
                  f"model.ffn_hidden_size ({self.ffn_hidden_size}) is not divisible by "
                  f"parallelism.tensor_parallel_size ({tp})")
+        self._check_experts(tp, expert_parallel_size)
         divisors = [d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]
         _require(self.num_layers % pp == 0,
                  f"model.num_layers ({self.num_layers}) cannot be split evenly over "
@@ -308,6 +411,17 @@ class ModelConfig:
                      f"model.recompute_num_layers ({self.recompute_num_layers}) is more than the {per_stage} blocks of "
                      f"each of the {pp} pipeline stages: use at most {per_stage}, or null for every block")
 
+    def _check_experts(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
+        """The experts TP-sharded like the dense MLP, and split EP ways."""
+        check_expert_parallel(self.moe, expert_parallel_size)
+        if self.moe is None:
+            return
+        for name in ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            width = getattr(self.moe, name)
+            _require(width % tensor_parallel_size == 0,
+                     f"model.moe.{name} ({width}) is not divisible by parallelism.tensor_parallel_size "
+                     f"({tensor_parallel_size}): each TP rank holds a slice of every expert")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -322,7 +436,8 @@ def stages_per_rank(pipeline_schedule: str) -> int:
 
 @dataclass
 class ParallelConfig:
-    """How the model is split: tensor x pipeline inside the world, data parallelism over what is left."""
+    """How the model is split: tensor x pipeline inside the world, data parallelism over what is left, the experts
+    of an MoE model over groups of data-parallel ranks (expert parallelism)."""
 
     tensor_parallel_size: int = 1
     """Ranks that share each layer's matrices (Megatron tensor slicing; keep it inside a node)."""
@@ -339,9 +454,13 @@ class ParallelConfig:
     """"1f1b": DeepSpeed's PipelineModule of PP stages, 1F1B. "dualpipev": DeepSpeed's DualPipeVModule of 2 PP stages,
     rank r holding stage r and 2PP-1-r, run with DualPipeV (DeepSeek-V3's schedule) from 2PP micro-batches per
     pipeline up, and the V-shaped 1F1B below (model/pipe_schedules.py). Checkpoints are the same files under both."""
+    expert_parallel_size: int = 1
+    """Data-parallel ranks of the same TP and PP coordinates that share the experts of each sparse block, each holding
+    model.moe.num_experts / EP of them (model/moe.py). Must divide the experts and the data-parallel size; only with
+    model.moe."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0,
                      f"parallelism.{name} must be a positive integer, got {value!r}")
@@ -367,55 +486,31 @@ class ParallelConfig:
         return world_size // mp
 
 
+def check_expert_parallel(moe: MoEConfig | None, expert_parallel_size: int,
+                          data_parallel_size: int | None = None) -> None:
+    """The expert-parallel size against the experts and the data-parallel size, before any process group exists.
+    ``data_parallel_size`` None (the world not known yet: ModelConfig.check_parallel): the experts only."""
+    ep = expert_parallel_size
+    _require(_is_positive_int(ep), f"parallelism.expert_parallel_size must be a positive integer, got {ep!r}")
+    if moe is None:
+        _require(ep == 1, f"parallelism.expert_parallel_size is {ep} but model.moe is not set: expert parallelism "
+                          f"splits the experts of a Mixture-of-Experts model; set it to 1, or give the experts in "
+                          f"model.moe")
+        return
+    _require(moe.num_experts % ep == 0,
+             f"parallelism.expert_parallel_size ({ep}) does not divide model.moe.num_experts ({moe.num_experts}): "
+             f"choose one of {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}")
+    if data_parallel_size is None:
+        return
+    _require(data_parallel_size % ep == 0,
+             f"parallelism.expert_parallel_size ({ep}) does not divide the data-parallel size ({data_parallel_size}, "
+             f"world / (TP x PP)): the EP groups are made of data-parallel ranks; choose one of "
+             f"{[d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]}, or launch a world "
+             f"whose data-parallel size it divides")
+
+
 def _gpt2_model(**kwargs: Any) -> ModelConfig:
     return ModelConfig(**{"vocab_size": GPT2_VOCAB_SIZE, **kwargs})
-
-
-# What every Llama-family preset shares: RoPE, RMSNorm (eps 1e-5), SwiGLU, an untied head, no biases, bf16.
-_LLAMA: dict[str, Any] = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie_word_embeddings=False,
-                              bias="none", layernorm_epsilon=1e-5, precision="bf16")
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Megatron-Turing NLG 530B (Smith et al. 2022): 105 layers, h 20480, 128 heads, seq 2048.
-    "530b": dict(num_layers=105, hidden_size=20480, num_attention_heads=128, seq_length=2048,
-                 recompute="full", precision="bf16"),
-    # GPT-3 Small and XL shapes (Brown et al. 2020, table 2.1).
-    "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=2048, precision="bf16"),
-    "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, precision="bf16"),
-    # For CPU tests and demos: the real GPT-2 vocabulary, a tiny trunk.
-    "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, precision="fp32"),
-    # The Llama family, from the published Hugging Face config.json files (written from memory; the parameter count
-    # of each equals transformers' model built from the same numbers: tests/test_llama_presets.py).
-    # Llama-2-7B: 32 layers, h 4096, 32 heads (multi-head), ffn 11008, vocab 32000, theta 1e4, rms eps 1e-5.
-    "llama2-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096, rope_theta=10000.0),
-    # Meta-Llama-3-8B: 32 layers, h 4096, 32 heads, 8 KV heads, ffn 14336, vocab 128256, theta 5e5, rms eps 1e-5.
-    "llama3-8b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                      ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_theta=500000.0),
-    # Meta-Llama-3-70B: 80 layers, h 8192, 64 heads, 8 KV heads, ffn 28672, vocab 128256, theta 5e5, rms eps 1e-5.
-    "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
-                       recompute="full"),
-    # Mistral-7B-v0.1: 32 layers, h 4096, 32 heads, 8 KV heads, ffn 14336, vocab 32000, theta 1e4, rms eps 1e-5,
-    # max positions 32768. Its 4096-token sliding window is not implemented: at seq_length <= 4096 it changes nothing.
-    "mistral-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                       ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
-                       rope_theta=10000.0),
-    # Qwen2.5-7B: 28 layers, h 3584, 28 heads, 4 KV heads, ffn 18944, vocab 152064, theta 1e6, rms eps 1e-6, biases on
-    # q, k and v only, untied, max positions 131072 (from memory; it changes no parameter).
-    "qwen2.5-7b": dict(_LLAMA, num_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-                       ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, max_position_embeddings=131072,
-                       rope_theta=1000000.0, layernorm_epsilon=1e-6, bias="qkv"),
-    # Qwen3-0.6B: 28 layers, h 1024, 16 heads of head_dim 128 (2048 wide, not h), 8 KV heads, ffn 3072, vocab 151936,
-    # theta 1e6, rms eps 1e-6, per-head RMSNorm on q and k, no bias, tied, max positions 40960 (from memory).
-    "qwen3-0.6b": dict(_LLAMA, num_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, qk_layernorm=True, ffn_hidden_size=3072, vocab_size=151936, seq_length=4096,
-                       max_position_embeddings=40960, rope_theta=1000000.0, layernorm_epsilon=1e-6,
-                       tie_word_embeddings=True),
-    # A Llama shape for CPU tests and demos: GPT-2 vocabulary, 4 query heads per KV group, untied head.
-    "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-                       ffn_hidden_size=256, seq_length=64, precision="fp32"),
-}
 
 
 def upgrade_model_fields(values: dict[str, Any], where: str = "model") -> dict[str, Any]:
@@ -436,7 +531,11 @@ def upgrade_model_fields(values: dict[str, Any], where: str = "model") -> dict[s
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    """A named model shape, with any field overridden."""
+    """A named model shape, with any field overridden (model.moe's field by field)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
-    return _gpt2_model(**{**PRESETS[name], **overrides})
+    fields = {**PRESETS[name], **overrides}
+    if isinstance(overrides.get("moe"), dict) and PRESETS[name].get("moe") is not None:
+        # a partial model.moe (--set model.moe.capacity_factor=1.25) changes those fields of the preset's experts
+        fields["moe"] = {**PRESETS[name]["moe"], **overrides["moe"]}
+    return _gpt2_model(**fields)

@@ -3,7 +3,11 @@
     python -m model.summary --preset 530b --tp 8 --pp 35
 
 Each stage is built from the same LayerSpec list and the same partitioning as the DeepSpeed PipelineModule of a
-real run, with the tensor shapes of one tensor-parallel rank, on ``torch.device("meta")``.
+real run, with the tensor shapes of one tensor-parallel rank, on ``torch.device("meta")``. A Mixture-of-Experts
+model (model.moe) is counted from its config alone, total and active (what one token uses), until the pipeline
+builds its sparse blocks:
+
+    python -m model.summary --preset mixtral-8x7b
 """
 
 from __future__ import annotations
@@ -48,23 +52,43 @@ def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[i
 
 
 def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
-    """One transformer block on one TP rank: h hidden, f ffn, q query and g key/value heads of d, R = TP.
+    """One dense transformer block on one TP rank: h hidden, f ffn, q query and g key/value heads of d, R = TP.
 
     norms 2 x (2h LayerNorm | h RMSNorm); QKV h (q + 2g) d / R (+ (q + 2g) d / R bias unless bias "none");
     attention output h q d / R (+ h bias with "all"); MLP gelu (h f + f h) / R (+ f / R + h), swiglu (2 h f + f h) / R
     (+ 2 f / R + h), biases with "all" only; qk_layernorm: 2 x (2d LayerNorm | d RMSNorm), replicated.
     GPT-2 (q = g, q d = h, bias "all", gelu): 4h + (12 h^2 + 7h) / R + 2h.
     """
-    h, f, tp, d = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size, config.head_dim
+    h, f, tp = config.hidden_size, config.ffn_hidden_size, tensor_parallel_size
+    inner = 2 * f if config.mlp == "swiglu" else f  # the column-parallel MLP matrix's rows
+    bias = config.other_linears_have_bias
+    mlp = (h * inner + (inner if bias else 0)) // tp + f * h // tp + (h if bias else 0)
+    return _attention_and_norms(config, tp) + mlp
+
+
+def _attention_and_norms(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """What every block has, dense or sparse: its two norms, the attention and its qk norms (_block_parameters)."""
+    h, tp, d = config.hidden_size, tensor_parallel_size, config.head_dim
     norms = 2 * _norm_parameters(config)
     if config.qk_layernorm:
         norms += 2 * (2 * d if config.norm == "layernorm" else d)
     qkv = (h * config.qkv_size + (config.qkv_size if config.qkv_has_bias else 0)) // tp
-    bias = config.other_linears_have_bias
-    attention_out = h * config.num_attention_heads * d // tp + (h if bias else 0)
-    inner = 2 * f if config.mlp == "swiglu" else f  # the column-parallel MLP matrix's rows
-    mlp = (h * inner + (inner if bias else 0)) // tp + f * h // tp + (h if bias else 0)
-    return norms + qkv + attention_out + mlp
+    attention_out = h * config.num_attention_heads * d // tp + (h if config.other_linears_have_bias else 0)
+    return norms + qkv + attention_out
+
+
+def _sparse_block_parameters(config: ModelConfig, routed_experts: int) -> int:
+    """One sparse block, whole (TP 1), with ``routed_experts`` of its E experts (E: the block; top_k: what one token
+    uses), F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size (model/moe.py's tensors, no biases):
+
+        attention and norms + router E h + routed x 3 h F + (shared expert 3 h F_s + its gate h, when F_s > 0)
+
+    Mixtral-8x7B (h 4096, 8 KV heads of 128, F 14336, E 8): 41,951,232 + 32,768 + 8 x 176,160,768 per block.
+    """
+    h, moe = config.hidden_size, config.moe
+    router, expert = moe.num_experts * h, 3 * h * moe.moe_ffn_hidden_size
+    shared = 3 * h * moe.shared_expert_ffn_hidden_size + h if moe.shared_expert_ffn_hidden_size else 0
+    return _attention_and_norms(config, 1) + router + routed_experts * expert + shared
 
 
 def _norm_parameters(config: ModelConfig) -> int:
@@ -88,14 +112,31 @@ def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_si
 
 
 def analytic_total_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
-    """The whole model, a tied embedding counted once: V h (x 2 untied) + P h (learned positions) + L block + norm.
+    """The whole model, a tied embedding counted once: V h (x 2 untied) + P h (learned positions) + the L blocks
+    (dense, or sparse with all their experts: model.moe) + norm, from the config alone.
 
     GPT-2: V h + P h + L (4h^2 + 2hf + f + 9h) + 2h. V is the padded vocabulary: for the tokenizer's own count (the
     one Hugging Face reports), pass a config with make_vocab_size_divisible_by=1 and TP 1."""
+    return _model_parameters(config, tensor_parallel_size, active=False)
+
+
+def analytic_active_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """What one token uses: the total with only top_k of each sparse block's routed experts (its router and shared
+    expert included), every dense parameter and both embeddings when untied; the total for a dense model.
+    Mixtral-8x7B: 12,879,925,248 of 46,702,792,704."""
+    return _model_parameters(config, tensor_parallel_size, active=True)
+
+
+def _model_parameters(config: ModelConfig, tensor_parallel_size: int, active: bool) -> int:
     h = config.hidden_size
     embeddings = config.padded_vocab_size(tensor_parallel_size) * h * (1 if config.tie_word_embeddings else 2)
     positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
-    blocks = config.num_layers * _block_parameters(config, 1)
+    dense_block = _block_parameters(config, 1)
+    if config.moe is None:
+        blocks = config.num_layers * dense_block
+    else:
+        sparse_block = _sparse_block_parameters(config, config.moe.top_k if active else config.moe.num_experts)
+        blocks = sum(sparse_block if config.moe.is_sparse(n) else dense_block for n in range(1, config.num_layers + 1))
     return embeddings + positions + blocks + _norm_parameters(config)
 
 
@@ -106,6 +147,10 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
     stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends."""
     from model.gpt import gpt_layer_specs
 
+    if config.moe is not None:
+        raise ValueError("model.moe: the pipeline does not build Mixture-of-Experts blocks yet (model/moe.py holds the "
+                         "block), so its stages cannot be counted; analytic_total_parameters and "
+                         "analytic_active_parameters count the model from its config")
     per_rank = stages_per_rank(pipeline_schedule)
     config.check_parallel(tensor_parallel_size, pipeline_parallel_size, stages_per_rank=per_rank)
     stages = pipeline_parallel_size * per_rank
@@ -158,6 +203,11 @@ def tokenizer_vocabulary_total(config: ModelConfig) -> int:
     return analytic_total_parameters(dataclasses.replace(config, make_vocab_size_divisible_by=1), 1)
 
 
+def tokenizer_vocabulary_active(config: ModelConfig) -> int:
+    """analytic_active_parameters with the tokenizer's vocabulary, unpadded (tokenizer_vocabulary_total)."""
+    return analytic_active_parameters(dataclasses.replace(config, make_vocab_size_divisible_by=1), 1)
+
+
 def block_matrices_line(config: ModelConfig) -> str:
     """The blocks' matrix weights in closed form: 12 l h^2 for the GPT shape (multi-head, GeLU MLP of 4h), else the
     Llama form l (2 h^2 + 2 h g d + 3 h f) (query and output h^2 each, key and value h g d each, SwiGLU 3 h f)."""
@@ -197,6 +247,28 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
     return "\n".join(lines)
 
 
+def format_moe_summary(config: ModelConfig, tensor_parallel_size: int) -> str:
+    """A Mixture-of-Experts model's total and active counts from its config alone: the pipeline does not build its
+    sparse blocks yet, so no stage is built (count_stages refuses it)."""
+    moe, tp = config.moe, tensor_parallel_size
+    sparse = sum(moe.is_sparse(n) for n in range(1, config.num_layers + 1))
+    shared_ffn = moe.shared_expert_ffn_hidden_size
+    shared = f", a shared expert of ffn {shared_ffn}" if shared_ffn else ""
+    embedding = "the tied embedding once" if config.tie_word_embeddings else "both embeddings"
+    return "\n".join([
+        f"{sparse} of {config.num_layers} blocks sparse: {moe.num_experts} experts of ffn {moe.moe_ffn_hidden_size}, "
+        f"top {moe.top_k}{shared}; counted from the config (the pipeline does not build sparse blocks yet)",
+        "",
+        f"total with the tokenizer's vocabulary ({config.vocab_size:,}; what transformers reports): "
+        f"{tokenizer_vocabulary_total(config):,}",
+        f"active per token with the tokenizer's vocabulary (top {moe.top_k} of {moe.num_experts} routed experts, the "
+        f"router{' and the shared expert' if shared else ''}, every dense parameter, {embedding}): "
+        f"{tokenizer_vocabulary_active(config):,}",
+        f"total and active, vocabulary padded to {config.padded_vocab_size(tp):,} for TP {tp}: "
+        f"{analytic_total_parameters(config, tp):,} and {analytic_active_parameters(config, tp):,}",
+    ])
+
+
 def _compress(names: list[str]) -> str:
     """['TransformerLayer', 'TransformerLayer', 'FinalLayerNorm'] -> 'TransformerLayer x2, FinalLayerNorm'."""
     groups: list[list] = []
@@ -220,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     tp = args.tp or (8 if config.num_key_value_heads % 8 == 0 and config.ffn_hidden_size % 8 == 0 else 1)
     pp = args.pp or (35 if config.num_layers % 35 == 0 else 1)
     try:
-        counts = count_stages(config, tp, pp)
+        if config.moe is not None:
+            config.check_parallel(tp, pp)
+        else:
+            counts = count_stages(config, tp, pp)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    built = "" if config.moe is not None else " (built on the meta device)"
     print(f"{args.preset}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
-          f"TP {tp} x PP {pp} (built on the meta device)\n")
-    print(format_summary(config, counts, tp))
+          f"TP {tp} x PP {pp}{built}\n")
+    print(format_moe_summary(config, tp) if config.moe is not None else format_summary(config, counts, tp))
     return 0
 
 

@@ -139,6 +139,54 @@ def test_dualpipev_layout_is_refused_naming_the_field(field, value, world_size, 
         parse_run_config(changed(field, value, DUALPIPEV)).check_world(world_size)
 
 
+# Mixture-of-Experts: llama-tiny (SwiGLU) with 8 experts, TP 2 x PP 2; the issue's bad input first, each one line
+MOE_EXPERTS = {"num_experts": 8, "top_k": 2, "moe_ffn_hidden_size": 64}
+MOE = changed("model.moe", MOE_EXPERTS, changed("model.preset", "llama-tiny"))
+MOE_CASES = [
+    ("parallelism.expert_parallel_size", 3, 12, "parallelism.expert_parallel_size (3) does not divide model.moe.num_experts (8): choose one of [1, 2, 4, 8]"),
+    ("parallelism.expert_parallel_size", 2, 12, "parallelism.expert_parallel_size (2) does not divide the data-parallel size (3, world / (TP x PP)): the EP groups are made of data-parallel ranks; choose one of [1, 3], or launch a world whose data-parallel size it divides"),
+    ("model.moe.top_k", 9, WORLD, "model.moe.top_k (9) is larger than model.moe.num_experts (8): route each token to at most num_experts experts"),
+    ("model.moe.capacity_factor", -1.0, WORLD, "model.moe.capacity_factor must be a positive number, or null for dropless routing, got -1.0"),
+    # and the rest of the block
+    ("parallelism.expert_parallel_size", 0, WORLD, "parallelism.expert_parallel_size must be a positive integer, got 0"),
+    ("model.mlp", "gelu", WORLD, "model.moe needs model.mlp \"swiglu\" (the experts are SwiGLU MLPs), got 'gelu': set model.mlp to \"swiglu\", or remove model.moe"),
+    ("model.moe.moe_ffn_hidden_size", 63, WORLD, "model.moe.moe_ffn_hidden_size (63) is not divisible by parallelism.tensor_parallel_size (2): each TP rank holds a slice of every expert"),
+    ("model.moe.experts", 8, WORLD, "unknown key(s) ['experts'] in block \"model.moe\": known keys are ['aux_loss_coeff', 'bias_update_rate', 'capacity_factor', 'first_dense_layers', 'moe_ffn_hidden_size', 'norm_topk_prob', 'num_experts', 'router', 'router_z_loss_coeff', 'shared_expert_ffn_hidden_size', 'sparse_every', 'top_k']"),
+    ("model.moe.top_k", "2", WORLD, "model.moe.top_k = \"2\" is a string: expected an integer (e.g. 100)"),
+    ("model.moe", {"num_experts": 8}, WORLD, "model.moe lacks ['top_k', 'moe_ffn_hidden_size']: give num_experts, top_k and moe_ffn_hidden_size"),
+    ("model.moe", [8, 2], WORLD, "model.moe = [8, 2] is a list: expected an object {...} or null"),
+]
+
+
+@pytest.mark.parametrize("field, value, world_size, message", MOE_CASES, ids=[f"{c[0]}={c[1]!r}" for c in MOE_CASES])
+def test_moe_config_is_refused_naming_the_field(field, value, world_size, message):
+    with pytest.raises(ValueError) as refused:
+        parse_run_config(changed(field, value, MOE)).check_world(world_size)
+    assert str(refused.value).split(" (the model's shape comes from")[0] == message  # the whole line, exactly
+    assert not dist.is_initialized()
+
+
+def test_moe_config_is_accepted_at_every_expert_parallel_size_that_divides():
+    """EP 1, 2, 4, 8 at DP 8 (32 processes at TP 2 x PP 2, micro-batch 1); EP 2 at DP 2; a partial model.moe
+    refines a preset's."""
+    for expert_parallel_size in (1, 2, 4, 8):
+        raw = changed("train_micro_batch_size_per_gpu", 1, changed("parallelism.expert_parallel_size",
+                                                                   expert_parallel_size, MOE))
+        config = parse_run_config(raw)
+        assert config.check_world(32) == 8 and config.model.moe.num_experts == 8
+    parse_run_config(changed("parallelism.expert_parallel_size", 2, MOE)).check_world(8)
+    raw = changed("model.moe", {"capacity_factor": 1.25}, changed("model.preset", "mixtral-8x7b", MOE))
+    mixtral = parse_run_config(changed("data.eod_token_id", 2, raw))  # Mistral's </s>: a vocabulary of 32000
+    assert (mixtral.model.moe.num_experts, mixtral.model.moe.top_k, mixtral.model.moe.capacity_factor) == (8, 2, 1.25)
+
+
+def test_expert_parallelism_without_experts_is_refused():
+    with pytest.raises(ValueError, match=re.escape(
+            "parallelism.expert_parallel_size is 2 but model.moe is not set: expert parallelism splits the experts "
+            "of a Mixture-of-Experts model; set it to 1, or give the experts in model.moe")):
+        parse_run_config(changed("parallelism.expert_parallel_size", 2)).check_world(8)
+
+
 def test_there_are_at_least_30_cases():
     assert len(CASES) >= 30
 
@@ -166,6 +214,7 @@ def test_the_shipped_configs_are_valid():
      "model.num_attention_heads (4) is not divisible by parallelism.tensor_parallel_size (3)"),
     ("training.save_interval=abc", "training.save_interval = \"abc\" is a string: expected an integer (e.g. 100)"),
     ("training.no_such_field=1", "unknown key(s) ['no_such_field'] in block \"training\""),
+    ("parallelism.expert_parallel_size=2", "parallelism.expert_parallel_size is 2 but model.moe is not set"),
 ])
 def test_train_py_refuses_before_starting_processes(override, message):
     result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/tiny-cpu.json", "--set", override],

@@ -4,15 +4,29 @@ Both sides are built on the meta device (nothing allocated): ours through model/
 stages at TP 1, PP 1 (the same LayerSpecs a run builds) and its closed form; transformers' through
 AutoModelForCausalLM.from_config. Our embedding is padded to a multiple of make_vocab_size_divisible_by x TP; the
 published count is the unpadded one, so ours is taken with make_vocab_size_divisible_by=1 (at TP 1: no padding).
+
+The Mixture-of-Experts presets (model.moe) are counted from the config alone (the pipeline does not build their
+sparse blocks yet): the total against transformers' Mixtral, Qwen2-MoE and Qwen3-MoE models, and the active count
+(what one token uses) against transformers' total less the unused experts' share of its expert tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 import torch
 
-from model.config import ModelConfig, preset
-from model.summary import analytic_total_parameters, count_stages, total_from_stages
+from model.config import ModelConfig, MoEConfig, preset
+from model.summary import (
+    analytic_active_parameters,
+    analytic_total_parameters,
+    count_stages,
+    tokenizer_vocabulary_active,
+    tokenizer_vocabulary_total,
+    total_from_stages,
+)
 
 # The published totals, for the two best-known shapes (LLaMA-2-7B "6.74B", Llama-3-8B "8.03B").
 PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
@@ -135,3 +149,120 @@ def test_planner_plans_llama3_70b_on_64_h100_nodes():
     config = load_run_config(root / "ds_configs/1.3b.json", sets)
     assert plan["full_batch"]["flops"] == pytest.approx(flops_per_iteration(config.model, 1024, 8), rel=1e-12)
     assert plan["full_batch"]["tied_embedding_reduce"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ Mixture-of-Experts
+
+
+def hf_moe_config(family: str, config: ModelConfig):
+    """transformers' config of the same numbers: Mixtral (every block sparse, no shared expert), Qwen2-MoE (QKV bias,
+    a shared expert with its sigmoid gate), Qwen3-MoE (q and k norms, a free head_dim); both Qwens with dense blocks
+    where model.moe says (decoder_sparse_step = sparse_every, mlp_only_layers = the first_dense_layers)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = config.moe
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+                  num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                  max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+                  tie_word_embeddings=config.tie_word_embeddings, num_experts_per_tok=moe.top_k)
+    if family == "mixtral":
+        return MixtralConfig(**common, intermediate_size=moe.moe_ffn_hidden_size, num_local_experts=moe.num_experts)
+    sparsity = dict(num_experts=moe.num_experts, moe_intermediate_size=moe.moe_ffn_hidden_size,
+                    intermediate_size=config.ffn_hidden_size, decoder_sparse_step=moe.sparse_every,
+                    mlp_only_layers=list(range(moe.first_dense_layers)), norm_topk_prob=moe.norm_topk_prob)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **sparsity, shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
+    return Qwen3MoeConfig(**common, **sparsity, head_dim=config.head_dim)
+
+
+def hf_moe_counts(family: str, config: ModelConfig) -> tuple[int, int]:
+    """transformers' (total, active): active = total less (E - k) / E of every sparse block's expert tensors."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_moe_config(family, config))
+    total = sum(p.numel() for p in model.parameters())
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert len(experts) == sum(config.moe.is_sparse(n) for n in range(1, config.num_layers + 1))
+    moe = config.moe
+    unused = sum(p.numel() for m in experts for p in m.parameters()) * (moe.num_experts - moe.top_k) // moe.num_experts
+    return total, total - unused
+
+
+def random_moe_config(family: str, seed: int) -> ModelConfig:
+    """A tiny model of ``family``'s shape, unpadded vocabulary, its sizes drawn from ``seed``."""
+    draw = random.Random(f"{family}-{seed}")
+    heads = draw.choice([2, 4, 8])
+    experts = draw.choice([2, 4, 6, 8])
+    qwen = family != "mixtral"
+    moe = MoEConfig(num_experts=experts, top_k=draw.randint(1, experts), moe_ffn_hidden_size=draw.choice([8, 12, 16]),
+                    shared_expert_ffn_hidden_size=draw.choice([8, 24]) if family == "qwen2_moe" else 0,
+                    sparse_every=draw.choice([1, 2]) if qwen else 1,
+                    first_dense_layers=draw.choice([0, 1]) if qwen else 0)
+    key_value_heads = draw.choice([k for k in (1, 2, heads) if heads % k == 0])
+    return ModelConfig(num_layers=draw.randint(1, 4), hidden_size=8 * heads * draw.choice([1, 2]),
+                       num_attention_heads=heads, num_key_value_heads=key_value_heads,
+                       head_dim=draw.choice([4, 8, 16]) if family == "qwen3_moe" else None,
+                       qk_layernorm=family == "qwen3_moe", bias="qkv" if family == "qwen2_moe" else "none",
+                       ffn_hidden_size=draw.choice([24, 40]), vocab_size=draw.randint(100, 300), seq_length=16,
+                       tie_word_embeddings=draw.random() < 0.3, make_vocab_size_divisible_by=1, moe=moe,
+                       **{"position_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"})
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_counts_from_the_config_equal_transformers(family, seed):
+    config = random_moe_config(family, seed)
+    assert (analytic_total_parameters(config), analytic_active_parameters(config)) == hf_moe_counts(family, config)
+    if family != "mixtral":  # and with only the first block dense (Qwen's mlp_only_layers = [0])
+        first_dense = dataclasses.replace(config, moe=dataclasses.replace(config.moe, sparse_every=1,
+                                                                          first_dense_layers=1))
+        assert (analytic_total_parameters(first_dense), analytic_active_parameters(first_dense)) == hf_moe_counts(
+            family, first_dense)
+
+
+def test_active_parameters_by_hand():
+    """Qwen2-MoE-shaped, 2 blocks (h 32, 4 heads of 8, 2 KV heads, QKV bias, vocabulary 100, untied): block 1 dense
+    (SwiGLU of 48), block 2 sparse (4 experts of 16, top 2, a shared expert of 24 and its gate)."""
+    moe = MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, shared_expert_ffn_hidden_size=24, sparse_every=2)
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seq_length=16,
+                         vocab_size=100, make_vocab_size_divisible_by=1, ffn_hidden_size=48, bias="qkv", moe=moe,
+                         position_embedding="rope", norm="rmsnorm", mlp="swiglu", tie_word_embeddings=False)
+    embeddings, final_norm = 2 * 100 * 32, 32
+    attention = 32 * 64 + 64 + 32 * 32 + 2 * 32  # QKV (4 + 2 x 2) x 8 = 64 rows and its bias, output, the 2 norms
+    dense = attention + 3 * 32 * 48
+    expert, shared = 3 * 32 * 16, 3 * 32 * 24 + 32  # one routed expert; the shared one with its gate
+    sparse_active = attention + 4 * 32 + 2 * expert + shared  # the router, top 2 of 4
+    assert (attention, dense, sparse_active) == (3200, 7808, 8736)
+    assert analytic_active_parameters(config) == embeddings + final_norm + dense + sparse_active == 22_976
+    assert analytic_total_parameters(config) == 22_976 + 2 * expert == 26_048
+    assert hf_moe_counts("qwen2_moe", config) == (26_048, 22_976)
+
+
+def test_moe_presets_have_the_parameters_of_transformers():
+    """Mixtral-8x7B: the issue's 46,702,792,704 total and 12,879,925,248 active (both embeddings); Qwen3-30B-A3B:
+    30.5B total, 3.3B active (its model card's), active = total less 48 blocks x 120 unused experts of 3 h F."""
+    mixtral = preset("mixtral-8x7b")
+    assert (tokenizer_vocabulary_total(mixtral), tokenizer_vocabulary_active(mixtral)) == (
+        46_702_792_704, 12_879_925_248)
+    assert hf_moe_counts("mixtral", preset("mixtral-8x7b", make_vocab_size_divisible_by=1)) == (
+        46_702_792_704, 12_879_925_248)
+    qwen = preset("qwen3-30b-a3b")
+    assert (qwen.head_dim, qwen.attention_size, qwen.qk_layernorm, qwen.tie_word_embeddings) == (128, 4096, True, False)
+    assert tokenizer_vocabulary_total(qwen) == 30_532_122_624
+    assert tokenizer_vocabulary_active(qwen) == 30_532_122_624 - 48 * 120 * 3 * 2048 * 768 == 3_353_032_704
+    assert hf_moe_counts("qwen3_moe", preset("qwen3-30b-a3b", make_vocab_size_divisible_by=1)) == (
+        30_532_122_624, 3_353_032_704)
+
+
+def test_summary_prints_the_total_and_active_counts_of_a_moe_preset(capsys):
+    from model.summary import main
+
+    assert main(["--preset", "mixtral-8x7b", "--tp", "8", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "total with the tokenizer's vocabulary (32,000; what transformers reports): 46,702,792,704\n" in out
+    assert ("active per token with the tokenizer's vocabulary (top 2 of 8 routed experts, the router, every dense "
+            "parameter, both embeddings): 12,879,925,248\n") in out
+    padded = 2 * (32768 - 32000) * 4096  # the embedding and the head, 32000 rows padded to 32768 at TP 8
+    assert (f"vocabulary padded to 32,768 for TP 8: {46_702_792_704 + padded:,} and {12_879_925_248 + padded:,}"
+            in out)

@@ -250,3 +250,50 @@ def test_init_std_multiple_scales_the_recipe_rule_and_survives_a_saved_config():
     assert config.init_method_std == 3.0 * math.sqrt(1 / (3 * 64))
     assert ModelConfig(**config.to_dict()).init_method_std == config.init_method_std  # a checkpoint's run config
     assert preset("tiny").init_method_std == math.sqrt(1 / (3 * 64))
+
+
+MOE_FIELDS = dict(num_experts=8, top_k=2, moe_ffn_hidden_size=64)
+
+
+def test_moe_block_reads_from_json_and_survives_a_saved_config():
+    """model.moe: a JSON object becomes a MoEConfig; a checkpoint's run config (to_dict) gives the same model back; a
+    partial block over a preset changes only its fields."""
+    from model.config import MoEConfig
+
+    config = preset("llama-tiny", moe={**MOE_FIELDS, "sparse_every": 2})
+    assert config.moe == MoEConfig(**MOE_FIELDS, sparse_every=2) and config.to_dict()["moe"]["sparse_every"] == 2
+    assert ModelConfig(**config.to_dict()) == config and preset("llama-tiny").moe is None
+    refined = preset("qwen3-30b-a3b", moe={"capacity_factor": 1.25, "top_k": 4})
+    assert (refined.moe.num_experts, refined.moe.top_k, refined.moe.capacity_factor) == (128, 4, 1.25)
+
+
+@pytest.mark.parametrize("fields, parallel, message", [
+    (dict(mlp="gelu"), None, "model.moe needs model.mlp \"swiglu\" (the experts are SwiGLU MLPs), got 'gelu': set "
+                             "model.mlp to \"swiglu\", or remove model.moe"),
+    (dict(moe={**MOE_FIELDS, "top_k": 9}), None, "model.moe.top_k (9) is larger than model.moe.num_experts (8): "
+                                                 "route each token to at most num_experts experts"),
+    (dict(moe={**MOE_FIELDS, "capacity_factor": -0.5}), None, "model.moe.capacity_factor must be a positive number, "
+                                                              "or null for dropless routing, got -0.5"),
+    (dict(moe={**MOE_FIELDS, "gate": "top"}), None, "unknown key(s) ['gate'] in block \"model.moe\""),
+    (dict(moe=8), None, "model.moe must be an object of the experts' fields (num_experts, top_k, moe_ffn_hidden_size, "
+                        "...) or null, got 8"),
+    (dict(), (2, 1, False, 1, 3), "parallelism.expert_parallel_size (3) does not divide model.moe.num_experts (8): "
+                                  "choose one of [1, 2, 4, 8]"),
+    (dict(moe={**MOE_FIELDS, "shared_expert_ffn_hidden_size": 33}), (2, 1),
+     "model.moe.shared_expert_ffn_hidden_size (33) is not divisible by parallelism.tensor_parallel_size (2): each TP "
+     "rank holds a slice of every expert"),
+    (dict(moe=None), (1, 1, False, 1, 2), "parallelism.expert_parallel_size is 2 but model.moe is not set"),
+])
+def test_invalid_moe_options_name_the_field(fields, parallel, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config = preset("llama-tiny", **{"moe": MOE_FIELDS, **fields})
+        if parallel:
+            config.check_parallel(*parallel)
+
+
+def test_moe_presets_split_and_their_stages_are_not_built_yet():
+    preset("mixtral-8x7b").check_parallel(8, 4, expert_parallel_size=8)
+    preset("qwen3-30b-a3b").check_parallel(4, 4, expert_parallel_size=16)
+    with pytest.raises(ValueError, match=re.escape("model.moe: the pipeline does not build Mixture-of-Experts blocks "
+                                                   "yet (model/moe.py holds the block)")):
+        count_stages(preset("mixtral-8x7b"), 8, 4)  # it would count dense blocks

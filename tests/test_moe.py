@@ -38,9 +38,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from model.config import ParallelConfig
+from model.config import MoEConfig, ParallelConfig, check_expert_parallel
 from model.layers import partial_gradient_parameters
-from model.moe import MoEBlock, MoEConfig, check_expert_parallel, top_k_experts
+from model.moe import MoEBlock, top_k_experts
 from model.parallel import ParallelContext, build_parallel_context
 from model.primitives import group_rank, group_size
 from tests.distributed import run_distributed

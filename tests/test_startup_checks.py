@@ -85,6 +85,24 @@ def test_train_py_stops_at_start_up_on_bad_data(tmp_path):
     assert not (tmp_path / "ck").exists()  # nothing was started
 
 
+def test_train_py_refuses_a_moe_model_until_the_pipeline_builds_it(tmp_path):
+    """model.moe parses and validates (the planner and summary describe it), but train.py stops at start-up with one
+    line, before it reads data (none exists here) or starts a process group."""
+    from training.run import MOE_NOT_BUILT
+
+    moe = '{"num_experts":4,"top_k":2,"moe_ffn_hidden_size":64}'
+    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/llama-tiny-cpu.json", "--data-path",
+                             str(tmp_path / "missing_text_document"), "--set", f"training.save={tmp_path / 'ck'}",
+                             "--set", f"model.moe={moe}", "--set", "parallelism.tensor_parallel_size=1",
+                             "--set", "parallelism.pipeline_parallel_size=1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert MOE_NOT_BUILT == ("model.moe: Mixture-of-Experts layers are not yet built into the pipeline (model/moe.py "
+                             "holds the block); remove model.moe")
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [f"error (rank 0): {MOE_NOT_BUILT}"]
+    assert "Traceback" not in result.stderr and not (tmp_path / "ck").exists()
+
+
 def _calls(name: str):
     for path in SOURCES:
         tree = ast.parse(path.read_text())

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model.config import ModelConfig, ParallelConfig, preset, stages_per_rank, upgrade_model_fields
+from model.config import (
+    ModelConfig,
+    ParallelConfig,
+    check_expert_parallel,
+    preset,
+    stages_per_rank,
+    upgrade_model_fields,
+)
 from training.schedules import BatchRamp, LearningRateSchedule
 
 if TYPE_CHECKING:
@@ -288,7 +295,8 @@ class RunConfig:
         try:
             self.model.check_parallel(self.parallelism.tensor_parallel_size,
                                       self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel,
-                                      stages_per_rank(self.parallelism.pipeline_schedule))
+                                      stages_per_rank(self.parallelism.pipeline_schedule),
+                                      self.parallelism.expert_parallel_size)
         except ValueError as error:
             raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
         if self.parallelism.pipeline_schedule == "dualpipev" and self.training.eval_tasks:
@@ -299,6 +307,7 @@ class RunConfig:
     def check_world(self, world_size: int) -> int:
         """Validate against the launched world; return the data-parallel size."""
         dp = self.parallelism.data_parallel_size(world_size)
+        check_expert_parallel(self.model.moe, self.parallelism.expert_parallel_size, dp)
         pp = self.parallelism.pipeline_parallel_size
         micro_batches = self.global_batch_size // (self.micro_batch_size * dp)
         if self.parallelism.pipeline_schedule == "dualpipev" and micro_batches < 2 * pp:
@@ -364,16 +373,22 @@ def _matches(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation) or annotation
     if isinstance(value, bool):
         return origin is bool
+    if dataclasses.is_dataclass(origin):  # a block of its own (model.moe): check_field_types checks its fields
+        return isinstance(value, dict)
     if origin is float:
         return isinstance(value, (int, float))
     return isinstance(value, origin)
 
 
 def _describe(annotation: Any) -> str:
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    names = [_TYPE_NAMES.get(typing.get_origin(option) or option, "null" if option is type(None) else str(option))
-             for option in options]
+    names = [_TYPE_NAMES[dict] if dataclasses.is_dataclass(option) else
+             _TYPE_NAMES.get(typing.get_origin(option) or option, "null" if option is type(None) else str(option))
+             for option in _options(annotation)]
     return " or ".join(names)
+
+
+def _options(annotation: Any) -> tuple[Any, ...]:
+    return typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
 
 
 def check_field_types(cls: type, block: str, values: dict[str, Any], extra_keys: tuple[str, ...] = ()) -> None:
@@ -389,6 +404,9 @@ def check_field_types(cls: type, block: str, values: dict[str, Any], extra_keys:
             hint = f" (quote it to mean the string: '\"{value}\"')" if quote else ""
             raise ValueError(f"{block}.{name} = {json.dumps(value)} is {_JSON_NAMES[type(value)]}: expected "
                              f"{_describe(hints[name])}{hint}")
+        nested = [option for option in _options(hints[name]) if dataclasses.is_dataclass(option)]
+        if nested and isinstance(value, dict):  # a block inside the block: model.moe
+            check_field_types(nested[0], f"{block}.{name}", value)
 
 
 def _build(cls, block: str, values: dict[str, Any]):
