@@ -26,11 +26,28 @@ def layer_forward_flops_per_token(config: ModelConfig) -> float:
     a = heads x head_dim (h unless model.head_dim is set apart), for every query head (grouped-query attention repeats
     K and V; causality is not discounted, as in Narayanan et al.). The per-head q/k norms (model.qk_layernorm) are
     elementwise, not counted. For the GPT shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et
-    al. 2021.
+    al. 2021. With model.moe the MLP is the mean over the blocks of what a token meets (mean_mlp_active_weights), so
+    that l x this is the model's; "full" recompute of some blocks only counts this mean block for each.
     """
     h, attention = config.hidden_size, config.attention_size
-    weights = h * config.qkv_size + attention * h + (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    weights = h * config.qkv_size + attention * h + mean_mlp_active_weights(config)
     return 2.0 * weights + 4.0 * config.seq_length * attention
+
+
+def mean_mlp_active_weights(config: ModelConfig) -> float:
+    """The MLP matmul weights one token meets in a block, averaged over the blocks: the dense MLP's (2 or 3 h ffn); in
+    a sparse block of a Mixture-of-Experts model (model.moe), the router (h E), top_k SwiGLU experts (3 h F each) and
+    the shared expert with its gate (3 h F_s + h): the active FLOPs, as Megatron-LM counts MFU for MoE."""
+    h = config.hidden_size
+    dense = (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    moe = config.moe
+    if moe is None:
+        return float(dense)
+    sparse = h * moe.num_experts + moe.top_k * 3 * h * moe.moe_ffn_hidden_size
+    if moe.shared_expert_ffn_hidden_size:
+        sparse += 3 * h * moe.shared_expert_ffn_hidden_size + h
+    sparse_blocks = sum(moe.is_sparse(number) for number in range(1, config.num_layers + 1))
+    return (sparse_blocks * sparse + (config.num_layers - sparse_blocks) * dense) / config.num_layers
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")

@@ -61,6 +61,7 @@ from model.layers import (
     partial_gradient_parameters,
 )
 from model.loss import GPTLoss, gpt_loss
+from model.moe import MoEBlock, MoEMLP
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
@@ -329,7 +330,8 @@ def head_norm(config: ModelConfig) -> nn.Module:
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm.
+    """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm. In a
+    sparse layer of a Mixture-of-Experts model (config.moe.is_sparse) the MLP is model/moe.py's MoEMLP.
 
     ``rng`` is the model's tensor-parallel stream, shared by all its layers; a layer built alone gets its own.
     ``recompute`` is this block's mode, config.recompute_at(layer_number, PP): "full" checkpoints the whole block,
@@ -346,7 +348,12 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(config, ctx, seed, layer_number, self.rng,
                                        recompute_core=self.recompute == "selective")
         self.ln2 = NORMS[config.norm](config)
-        self.mlp = MLPS[config.mlp](config, ctx, seed, layer_number)
+        if config.moe is not None and config.moe.is_sparse(layer_number):
+            self.mlp = MoEMLP(MoEBlock(config.moe, config.hidden_size, ctx, seed=seed, layer_number=layer_number,
+                                       init_std=config.init_method_std,
+                                       output_init_std=config.output_layer_init_std))
+        else:
+            self.mlp = MLPS[config.mlp](config, ctx, seed, layer_number)
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, self.rng)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ from model.primitives import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from model.random import recomputing
 
 
 def _require(condition: bool, message: str) -> None:
@@ -363,3 +364,96 @@ class MoEBlock(nn.Module):
         capacity = "dropless" if self.moe.capacity_factor is None else f"capacity factor {self.moe.capacity_factor}"
         return (f"EP {self.expert_parallel_size} ({self.local_experts} local experts), {capacity}, "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+# ------------------------------------------------------------------------------------- the block in the pipeline
+
+
+class _AttachLoss(torch.autograd.Function):
+    """``out`` unchanged forward; backward, the gradient of ``scale * loss`` joins the graph where ``out``'s does.
+
+    The auxiliary losses of a block on any pipeline stage thus reach its router without a second tensor between the
+    stages, and without the last stage's loss knowing them: their gradient is what the objective
+    loss + scale * aux would have given."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def attach_loss(out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    if scale == 0.0 or not loss.requires_grad:
+        return out
+    return _AttachLoss.apply(out, loss, scale)
+
+
+@dataclass
+class StepStats:
+    """What a sparse layer's forwards of one training step counted (detached, on the layer's device)."""
+
+    forwards: int
+    aux_loss: torch.Tensor
+    """() fp32: the sum over the forwards of the unscaled aux loss."""
+    z_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    """(E,) int64: summed over the forwards (this EP rank's tokens)."""
+    dropped: torch.Tensor
+
+
+class MoEMLP(nn.Module):
+    """The MLP of a sparse layer in the pipeline: MoEBlock, its auxiliary losses attached in autograd, and its
+    statistics of the step.
+
+    The objective of a micro-batch is its loss plus, for each sparse layer, aux_loss_coeff x aux + router_z_loss_coeff
+    x z. The pipeline engine scales the loss's gradient by 1 / micro-batches (DeepSpeed's gradient accumulation), so
+    the attached losses are scaled by 1 / ``micro_batches`` too, and by 1 / TP (MoEStats.loss_scale). The engine sets
+    ``micro_batches`` before each forward (training/engine.py): it changes during the batch ramp."""
+
+    def __init__(self, block: MoEBlock) -> None:
+        super().__init__()
+        self.block = block
+        self.micro_batches = 1
+        self._stats: StepStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, stats = self.block(x)
+        moe, scale = self.block.moe, stats.loss_scale / self.micro_batches
+        loss = moe.aux_loss_coeff * stats.aux_loss + moe.router_z_loss_coeff * stats.z_loss
+        if self.training and torch.is_grad_enabled():
+            out = attach_loss(out, loss, scale)
+            if not recomputing():
+                self._count(stats)
+        return out
+
+    def _count(self, stats: MoEStats) -> None:
+        aux, z = stats.aux_loss.detach(), stats.z_loss.detach()
+        if self._stats is None:
+            self._stats = StepStats(1, aux, z, stats.tokens_per_expert, stats.dropped)
+            return
+        previous = self._stats
+        self._stats = StepStats(previous.forwards + 1, previous.aux_loss + aux, previous.z_loss + z,
+                                previous.tokens_per_expert + stats.tokens_per_expert, previous.dropped + stats.dropped)
+
+    def take_stats(self) -> StepStats | None:
+        """The step's statistics (None: no training forward ran), and a fresh count for the next step."""
+        stats, self._stats = self._stats, None
+        return stats
+
+
+def sparse_layers(module: nn.Module) -> list[tuple[int, MoEMLP]]:
+    """(layer_number, MoEMLP) of every sparse layer in ``module`` (a stage or the whole model), in layer order."""
+    found = [(getattr(owner, "layer_number", 0), child) for owner in module.modules()
+             for child in owner.children() if isinstance(child, MoEMLP)]
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def set_micro_batches(layers: list[tuple[int, MoEMLP]], micro_batches: int) -> None:
+    for _, layer in layers:
+        layer.micro_batches = micro_batches

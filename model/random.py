@@ -130,7 +130,22 @@ def checkpoint(stream: RNGStream, function: Callable[..., Any], *args: Any) -> A
         calls += 1
         if calls == 1:  # the forward itself
             return function(*inputs)
-        with stream.replaying(at_forward):  # a recompute, in the backward pass
-            return function(*inputs)
+        global _recomputes
+        _recomputes += 1
+        try:
+            with stream.replaying(at_forward):  # a recompute, in the backward pass
+                return function(*inputs)
+        finally:
+            _recomputes -= 1
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+_recomputes = 0
+"""How many recomputes of ``checkpoint`` are running in this process (nested: a selective one inside a full one)."""
+
+
+def recomputing() -> bool:
+    """True inside a recompute of ``checkpoint``: the forward runs again in the backward pass. What a forward counts
+    (the MoE layers' statistics of the step) is counted once, outside it."""
+    return _recomputes > 0

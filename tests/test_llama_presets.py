@@ -255,6 +255,22 @@ def test_moe_presets_have_the_parameters_of_transformers():
         30_532_122_624, 3_353_032_704)
 
 
+def test_moe_flops_count_the_active_matmuls():
+    """model/flops.py counts what a token meets (MFU on active FLOPs, as Megatron-LM counts it): for Mixtral-8x7B a
+    block's forward is 2 x (QKV 4096 x (4096 + 2 x 1024) + output 4096 x 4096 + router 4096 x 8 + top 2 experts of
+    3 x 4096 x 14336) + 4 s a. Those matmul weights over 32 blocks are the active count less both embeddings and the
+    65 norms (tokenizer_vocabulary_active)."""
+    from model.flops import layer_forward_flops_per_token
+
+    mixtral = preset("mixtral-8x7b")
+    per_block = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 4096 * 8 + 2 * 3 * 4096 * 14336
+    assert layer_forward_flops_per_token(mixtral) == 2 * per_block + 4 * mixtral.seq_length * 4096
+    assert 32 * per_block == tokenizer_vocabulary_active(mixtral) - 2 * 32000 * 4096 - 65 * 4096
+    dense = preset("mixtral-8x7b", moe=None)  # the same shape with the dense SwiGLU of ffn 14336 in every block
+    assert layer_forward_flops_per_token(dense) - layer_forward_flops_per_token(mixtral) == 2 * (
+        3 * 4096 * 14336 - 4096 * 8 - 2 * 3 * 4096 * 14336)
+
+
 def test_summary_prints_the_total_and_active_counts_of_a_moe_preset(capsys):
     from model.summary import main
 

@@ -9,6 +9,7 @@ fp32 agrees to ~1e-5 (reduction order differs between splits); bf16 is checked a
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -114,11 +115,13 @@ def train_reference(config=None, z_loss: float = 0.0) -> dict:
     """Plain PyTorch, one process, the unsplit model (model_config() unless another is given): the ground truth.
     ``z_loss``: the objective's z-loss coefficient (model/loss.py)."""
     from model.loss import GPTLoss
+    from model.moe import set_micro_batches, sparse_layers
 
     torch.manual_seed(SEED)
     config = config or model_config()
     model = GPT(config, seed=SEED)
     objective = GPTLoss(model.ctx, z_loss)
+    set_micro_batches(sparse_layers(model), GLOBAL_BATCH // MICRO_BATCH)  # the attached losses are averaged as the loss
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
@@ -148,19 +151,26 @@ SEQUENCE_PARALLEL = {"sequence_parallel": True}
 # The stability options: per-head q/k norms (their gradients summed over TP with and without SP) and the z-loss on
 # vocabulary shards, against a reference with the same options.
 STABILITY = {"qk_layernorm": True, "z_loss": 1e-2}
+# Mixture-of-Experts (model/moe.py) at EP 1: the first block dense (a stage of PP 2 with one sparse block), 4 experts
+# top 2 with a shared expert, the aux and z losses attached in autograd on whichever stage holds the block.
+MOE = {"mlp": "swiglu", "moe": {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 32, "aux_loss_coeff": 0.05,
+                                "router_z_loss_coeff": 0.01, "shared_expert_ffn_hidden_size": 32,
+                                "first_dense_layers": 1}}
 LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selective"},
               {**SEQUENCE_PARALLEL, "recompute": "full"}, {**SEQUENCE_PARALLEL, "recompute": "full",
                                                           "recompute_num_layers": 1},
-              STABILITY, {**SEQUENCE_PARALLEL, **STABILITY, "recompute": "selective"}]
-STABILITY_FIELDS = ("qk_layernorm", "z_loss")
+              STABILITY, {**SEQUENCE_PARALLEL, **STABILITY, "recompute": "selective"},
+              MOE, {**SEQUENCE_PARALLEL, **MOE, "recompute": "full"}]
+STABILITY_FIELDS = ("qk_layernorm", "z_loss", "mlp", "moe")
 
 
 def expected_for(variant: dict, reference: dict, references: dict) -> dict:
-    """The reference a variant must equal: the plain model's, or (stability options) one with the same options."""
+    """The reference a variant must equal: the plain model's, or (stability or MoE options) one with the same
+    options."""
     options = {key: variant[key] for key in STABILITY_FIELDS if key in variant}
     if not options:
         return reference
-    key = tuple(sorted(options.items()))
+    key = json.dumps(options, sort_keys=True)
     if key not in references:
         z_loss = options.pop("z_loss", 0.0)
         references[key] = train_reference(model_config(**options), z_loss)

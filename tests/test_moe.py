@@ -436,3 +436,57 @@ def test_expert_parallel_2_equals_the_unsplit_block():
 
 def test_expert_parallel_2_by_tensor_parallel_2_equals_the_unsplit_block_with_and_without_sequence_parallelism():
     _check_split_results(run_distributed(4, _split_worker, 2, (False, True)))
+
+
+# ------------------------------------------------------------------------------------- the block in the pipeline
+
+
+def test_attached_losses_give_the_gradients_of_the_whole_objective():
+    """MoEMLP attaches aux_loss_coeff x aux + router_z_loss_coeff x z, scaled by 1 / micro_batches, in autograd: its
+    gradients equal those of the objective written out, out . g + (coefficients x losses) / micro_batches, computed
+    from the bare block; and without the attachment they differ (the test can fail)."""
+    from model.moe import MoEMLP
+
+    moe = MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, aux_loss_coeff=0.5, router_z_loss_coeff=0.1,
+                    shared_expert_ffn_hidden_size=8)
+    x, g = _randn(2, 5, 12, seed=1), _randn(2, 5, 12, seed=2)
+    grads = {}
+    for name in ("attached", "written out", "bare"):
+        block = _block(moe, 12)
+        layer = MoEMLP(block).train()
+        layer.micro_batches = 4
+        inputs = x.clone().requires_grad_()
+        if name == "attached":
+            (layer(inputs) * g).sum().backward()
+        else:
+            out, stats = block(inputs)
+            objective = (out * g).sum()
+            if name == "written out":
+                objective = objective + (0.5 * stats.aux_loss + 0.1 * stats.z_loss) / 4
+            objective.backward()
+        grads[name] = [inputs.grad, *(p.grad for p in block.parameters())]
+    for attached, written in zip(grads["attached"], grads["written out"], strict=True):
+        torch.testing.assert_close(attached, written, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(grads["attached"][1], grads["bare"][1])  # the router's gradient: the losses reach it
+
+
+def test_a_full_recompute_counts_each_forward_once():
+    """Under model/random.py's checkpoint (model.recompute "full") the block's forward runs again in the backward:
+    the step's statistics count it once, and equal those of the same forward without recompute."""
+    from model.moe import MoEMLP
+    from model.random import RNGStream, checkpoint
+
+    moe = MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16)
+    counted = {}
+    for recompute in (False, True):
+        layer = MoEMLP(_block(moe, 12)).train()
+        for micro_batch in range(3):
+            inputs = _randn(2, 5, 12, seed=micro_batch).requires_grad_()
+            out = checkpoint(RNGStream(7), layer, inputs) if recompute else layer(inputs)
+            out.sum().backward()
+        counted[recompute] = layer.take_stats()
+        assert layer.take_stats() is None  # taken: the next step counts afresh
+    assert counted[True].forwards == counted[False].forwards == 3
+    assert torch.equal(counted[True].tokens_per_expert, counted[False].tokens_per_expert)
+    assert int(counted[True].tokens_per_expert.sum()) == 3 * 10 * 2
+    torch.testing.assert_close(counted[True].aux_loss, counted[False].aux_loss, rtol=0, atol=0)

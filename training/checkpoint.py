@@ -289,13 +289,17 @@ class ResumePoint:
 
 
 def prepare_resume(directory: str | Path, now: Layout, fallback: bool, timeout_s: float,
-                   log: Callable[[str], None] = print) -> ResumePoint | None:
+                   log: Callable[[str], None] = print, cannot_reshape: str | None = None) -> ResumePoint | None:
     """Collective, before the engine is built: pick and check the checkpoint; if another layout wrote it, make sure
-    its universal conversion exists (rank 0 converts, the others wait). The engine then needs load_universal."""
+    its universal conversion exists (rank 0 converts, the others wait). The engine then needs load_universal.
+    ``cannot_reshape``: why this model cannot change layout (raised as the error when it would have to)."""
     tag = choose_checkpoint(directory, fallback, log)
     if tag is None:
         return None
     point = ResumePoint(str(directory), tag, saved_layout(directory, tag), now)
+    if point.reshaped and cannot_reshape:
+        raise ValueError(f"{point.tag} in {directory} was written at {point.written_at}; this run is {now}: "
+                         f"{cannot_reshape}")
     if point.reshaped:
         if dist.get_rank() == 0:
             log(f"{point.tag} was written at {point.written_at}; this run is {now}: converting it with DeepSpeed's "

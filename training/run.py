@@ -14,14 +14,29 @@ from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
 from training.trainer import Trainer, TrainState
 
-MOE_NOT_BUILT = ("model.moe: Mixture-of-Experts layers are not yet built into the pipeline (model/moe.py holds the "
-                 "block); remove model.moe")
+MOE_NOT_YET = {  # what a Mixture-of-Experts model (model.moe) can describe but the pipeline does not train yet
+    "expert_parallel": "parallelism.expert_parallel_size > 1 is not built yet (the experts split over data-parallel "
+                       "ranks, their gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); "
+                       "set it to 1: the experts are then replicated over the data-parallel ranks",
+    "sigmoid_bias": "model.moe.router \"sigmoid_bias\" is not built yet (its bias update after each step); use "
+                    "\"softmax\"",
+    "dualpipev": "parallelism.pipeline_schedule \"dualpipev\" with model.moe is not built yet; use \"1f1b\"",
+    "reshape": "a Mixture-of-Experts checkpoint cannot change TP, PP or DP yet (the universal converter does not "
+               "know the experts' slices); resume it at the layout that wrote it",
+}
 
 
 def check_buildable(config: RunConfig) -> None:
     """Refuse what the config can describe but the pipeline does not build yet, before data or a process group."""
-    if config.model.moe is not None:
-        raise ValueError(MOE_NOT_BUILT)
+    moe = config.model.moe
+    if moe is None:
+        return
+    if config.parallelism.expert_parallel_size > 1:
+        raise ValueError(MOE_NOT_YET["expert_parallel"])
+    if moe.router == "sigmoid_bias":
+        raise ValueError(MOE_NOT_YET["sigmoid_bias"])
+    if config.parallelism.pipeline_schedule == "dualpipev":
+        raise ValueError(MOE_NOT_YET["dualpipev"])
 
 
 def resume_point(config: RunConfig) -> ResumePoint | None:
@@ -33,7 +48,8 @@ def resume_point(config: RunConfig) -> ResumePoint | None:
                  parallel.data_parallel_size(dist.get_world_size()), parallel.pipeline_schedule)
     log = print if dist.get_rank() == 0 else (lambda message: None)
     return prepare_resume(config.training.save, now, config.training.fallback_on_corrupt_checkpoint,
-                          config.training.reshape_timeout_s, log)
+                          config.training.reshape_timeout_s, log,
+                          cannot_reshape=MOE_NOT_YET["reshape"] if config.model.moe else None)
 
 
 def run(config: RunConfig) -> TrainState:

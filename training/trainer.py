@@ -38,6 +38,7 @@ from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
+from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
 from training.spikes import in_ignored_warmup
 from training.stability import StabilityMonitor
@@ -116,6 +117,7 @@ class Trainer:
         # once per logged step (training/stability.py)
         self.stability = StabilityMonitor(engine, ctx, config.model.num_layers, config.training.stability_interval,
                                           config.training.z_loss, lambda: next(iter(self.make_train_loader(0))))
+        self.moe = MoEMonitor(engine.module, config.model, ctx)
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
         self.spike_detector = self.spike_guard.config.detector()
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
@@ -197,6 +199,7 @@ class Trainer:
         self.state.consumed_samples += batch
         self.state.consumed_tokens += batch * self.seq_length
         self.stability.after_step(self.state.step)  # collective on its steps: the attention-logit probe
+        self.moe.after_step()
         self._count_spike(loss, ignore_spikes)
         return loss, self.engine.skipped_steps > skipped_before
 
@@ -296,6 +299,7 @@ class Trainer:
         if "z_loss" in stability and self.config.training.z_loss:
             record["objective"], record["loss"] = loss, loss - stability["z_loss"]  # the loss stays the cross-entropy
         record.update(stability)
+        record.update(self.moe.take())  # collective when the model has experts: every rank, every logged step
         self.logger.log("train", record)
 
     def evaluate(self) -> float | None:

@@ -1,0 +1,65 @@
+"""A Mixture-of-Experts model trains through train.py and the deepspeed launcher: ds_configs/llama-tiny-cpu.json with
+``model.moe`` (4 experts, top 2, a shared expert, the first block dense) at TP 2 x PP 2 on 4 CPU processes, EP 1.
+Of the 2 blocks (tests/launch.py's overrides) the first stage holds the dense one only: it takes part in the step,
+the log's collective and the checkpoints without a sparse layer.
+
+The log carries the routers' aux loss, z-loss and load imbalance at every logged step; the loss falls; a stop at step
+4 resumed to step 8 is bitwise the uninterrupted run (losses, learning rates, batches, every expert's weights); a
+resume at another layout is refused in one line until the universal converter knows the experts. That the split
+model computes what the unsplit one does, aux losses included, is tests/test_model_parallel.py's (the MoE layouts of
+its 3D run); the block against transformers' and across EP, tests/test_moe.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.launch import final_weights, run_training, same_weights, trajectory
+from training.metrics_log import read_metrics
+from training.run import MOE_NOT_YET
+
+CONFIG = "ds_configs/llama-tiny-cpu.json"
+MOE = {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 64, "shared_expert_ffn_hidden_size": 64,
+       "first_dense_layers": 1, "aux_loss_coeff": 0.01, "router_z_loss_coeff": 0.001}
+EXTRA = ["training.save_interval=4", f"model.moe={json.dumps(MOE, separators=(',', ':'))}"]
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    save = tmp_path_factory.mktemp("moe") / "checkpoints"
+    result = run_training(corpus, save, max_steps=8, extra=EXTRA, ds_config=CONFIG)
+    return save, result.stdout + result.stderr
+
+
+@pytest.mark.distributed
+def test_moe_trains_logs_its_routers_and_resumes_exactly(corpus, straight, tmp_path):
+    save, output = straight
+    steps = trajectory(save)
+    assert [step for step, *_ in steps] == list(range(1, 9))
+    assert steps[-1][1] < steps[0][1] - 0.5  # the loss falls (about 10.9 at the start: ln 50257)
+    records = read_metrics(save / "metrics.jsonl")
+    for record in records:
+        assert 0.0 < record["moe_aux_loss"] <= MOE["num_experts"]  # E sum_e f_e P_e <= E max_e P_e; 1 when even
+        assert record["moe_z_loss"] > 0.0 and record["moe_dropped_fraction"] == 0.0  # dropless
+        assert record["moe_load_imbalance"] >= 1.0
+        assert list(record["moe_imbalance_per_layer"]) == ["2"]  # of 2 blocks (tests/launch.py), the first dense
+        assert record["moe_load_imbalance"] == max(record["moe_imbalance_per_layer"].values())
+
+    resumed = tmp_path / "checkpoints"
+    shutil.copytree(save, resumed, ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", "global_step8"))
+    (resumed / "latest").write_text("global_step4")
+    run_training(corpus, resumed, max_steps=8, extra=EXTRA, ds_config=CONFIG)
+    assert trajectory(resumed) == steps[4:]  # losses, learning rates, batches, tokens: bitwise
+    ours, theirs = read_metrics(resumed / "metrics.jsonl"), records[4:]
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    assert same_weights(final_weights(resumed), final_weights(save))
+
+    (resumed / "latest").write_text("global_step4")
+    refused = run_training(corpus, resumed, max_steps=8, extra=[*EXTRA, "parallelism.tensor_parallel_size=1"],
+                           ds_config=CONFIG, expect_success=False)
+    assert refused.returncode != 0
+    assert MOE_NOT_YET["reshape"] in refused.stdout + refused.stderr
