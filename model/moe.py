@@ -457,3 +457,12 @@ def sparse_layers(module: nn.Module) -> list[tuple[int, MoEMLP]]:
 def set_micro_batches(layers: list[tuple[int, MoEMLP]], micro_batches: int) -> None:
     for _, layer in layers:
         layer.micro_batches = micro_batches
+
+
+def keep_router_biases_fp32(layers: list[tuple[int, MoEMLP]]) -> None:
+    """The aux-loss-free routers' bias stays fp32 after the engine casts the model to bf16: it moves by
+    bias_update_rate (1e-3) a step, below a bf16 ulp once it has grown (model.moe.router "sigmoid_bias")."""
+    for _, layer in layers:
+        router = layer.block.router
+        if hasattr(router, "expert_bias"):
+            router.expert_bias = router.expert_bias.float()

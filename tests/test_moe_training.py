@@ -1,10 +1,12 @@
 """A Mixture-of-Experts model trains through train.py and the deepspeed launcher: ds_configs/llama-tiny-cpu.json with
-``model.moe`` (4 experts, top 2, a shared expert, the first block dense) at TP 2 x PP 2 on 4 CPU processes, EP 1.
+``model.moe`` (4 experts, top 2, a shared expert, the first block dense, DeepSeek-V3's aux-loss-free router with its
+bias) at TP 2 x PP 2 on 4 CPU processes, EP 1.
 Of the 2 blocks (tests/launch.py's overrides) the first stage holds the dense one only: it takes part in the step,
 the log's collective and the checkpoints without a sparse layer.
 
 The log carries the routers' aux loss, z-loss and load imbalance at every logged step; the loss falls; a stop at step
-4 resumed to step 8 is bitwise the uninterrupted run (losses, learning rates, batches, every expert's weights); a
+4 resumed to step 8 is bitwise the uninterrupted run (losses, learning rates, batches, every expert's weights, the
+routers' bias, which moved by the step's counts and is the same on both TP ranks); a
 resume at another layout is refused in one line until the universal converter knows the experts. That the split
 model computes what the unsplit one does, aux losses included, is tests/test_model_parallel.py's (the MoE layouts of
 its 3D run); the block against transformers' and across EP, tests/test_moe.py's.
@@ -16,6 +18,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tests.launch import final_weights, run_training, same_weights, trajectory
 from training.metrics_log import read_metrics
@@ -23,7 +26,8 @@ from training.run import MOE_NOT_YET
 
 CONFIG = "ds_configs/llama-tiny-cpu.json"
 MOE = {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 64, "shared_expert_ffn_hidden_size": 64,
-       "first_dense_layers": 1, "aux_loss_coeff": 0.01, "router_z_loss_coeff": 0.001}
+       "first_dense_layers": 1, "aux_loss_coeff": 0.01, "router_z_loss_coeff": 0.001, "router": "sigmoid_bias",
+       "bias_update_rate": 0.01}
 EXTRA = ["training.save_interval=4", f"model.moe={json.dumps(MOE, separators=(',', ':'))}"]
 
 
@@ -56,7 +60,14 @@ def test_moe_trains_logs_its_routers_and_resumes_exactly(corpus, straight, tmp_p
     ours, theirs = read_metrics(resumed / "metrics.jsonl"), records[4:]
     for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
         assert [r[key] for r in ours] == [r[key] for r in theirs], key
-    assert same_weights(final_weights(resumed), final_weights(save))
+    weights = final_weights(save)
+    assert same_weights(final_weights(resumed), weights)
+    biases = [shard[key] for shard in weights.values() for key in shard if key.endswith("router.expert_bias")]
+    assert len(biases) == 2 and torch.equal(biases[0], biases[1])  # one sparse block, 2 TP ranks: moved alike
+    steps_taken = biases[0] / MOE["bias_update_rate"]  # 8 steps of -1, 0 or +1 each: whole numbers in [-8, 8]
+    assert biases[0].dtype == torch.float32 and biases[0].abs().max() > 0
+    torch.testing.assert_close(steps_taken, steps_taken.round(), rtol=0, atol=1e-4)
+    assert (steps_taken.abs() <= 8.0001).all()
 
     (resumed / "latest").write_text("global_step4")
     refused = run_training(corpus, resumed, max_steps=8, extra=[*EXTRA, "parallelism.tensor_parallel_size=1"],

@@ -85,29 +85,11 @@ def test_train_py_stops_at_start_up_on_bad_data(tmp_path):
     assert not (tmp_path / "ck").exists()  # nothing was started
 
 
-def test_train_py_refuses_what_a_moe_model_cannot_train_yet(tmp_path):
-    """model.moe trains at EP 1 with the softmax router under 1F1B (tests/test_model_parallel.py, tests/test_train.py);
-    the rest stops at start-up with one line, before data is read (none exists here) or a process group starts."""
-    from training.run import MOE_NOT_YET
-
-    moe = '{"num_experts":4,"top_k":2,"moe_ffn_hidden_size":64,"router":"sigmoid_bias"}'
-    result = subprocess.run([sys.executable, "train.py", "--ds_config", "ds_configs/llama-tiny-cpu.json", "--data-path",
-                             str(tmp_path / "missing_text_document"), "--set", f"training.save={tmp_path / 'ck'}",
-                             "--set", f"model.moe={moe}", "--set", "parallelism.tensor_parallel_size=1",
-                             "--set", "parallelism.pipeline_parallel_size=1"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert MOE_NOT_YET["sigmoid_bias"] == ('model.moe.router "sigmoid_bias" is not built yet (its bias update after '
-                                           'each step); use "softmax"')
-    assert [line for line in result.stderr.splitlines() if "error" in line] == [
-        f"error (rank 0): {MOE_NOT_YET['sigmoid_bias']}"]
-    assert "Traceback" not in result.stderr and not (tmp_path / "ck").exists()
-
-
 @pytest.mark.parametrize("parallelism, reason", [({"expert_parallel_size": 2}, "expert_parallel"),
                                                  ({"pipeline_schedule": "dualpipev"}, "dualpipev")])
 def test_expert_parallelism_and_dualpipev_with_experts_are_refused_before_any_group(parallelism, reason):
-    from training.config import parse_run_config
+    """model.moe trains at EP 1 under 1F1B (tests/test_model_parallel.py, tests/test_moe_training.py); the rest stops
+    in run()'s first check, before data is read or a process group starts."""
     from training.run import MOE_NOT_YET, check_buildable
 
     raw = json.loads((ROOT / "ds_configs" / "llama-tiny-cpu.json").read_text())

@@ -10,7 +10,7 @@ from torch import nn
 from common import deepspeed_internals as ds_internals
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
-from model.moe import set_micro_batches, sparse_layers
+from model.moe import keep_router_biases_fp32, set_micro_batches, sparse_layers
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
@@ -75,6 +75,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     if schedule == "dualpipev":
         ds_internals.run_short_batches_as(engine, _dualpipev_or_vshape)
     sparse = sparse_layers(engine.module)
+    keep_router_biases_fp32(sparse)
     if sparse:  # the attached auxiliary losses follow the loss's 1 / micro-batches, which the batch ramp changes
         ds_internals.run_before_instruction(engine, "ForwardPass",
                                             lambda: set_micro_batches(sparse, engine.micro_batches))

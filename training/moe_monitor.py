@@ -10,6 +10,9 @@ their experts (model/moe.py; nothing here for a dense model).
     moe_imbalance_per_layer  {layer_number: that ratio}
     moe_dropped_fraction the share of the assignments the capacity dropped (0 when dropless)
 
+With the "sigmoid_bias" router (DeepSeek-V3's aux-loss-free balancing) ``after_step`` also moves each router's bias
+by the step's counts of its layer, summed over every rank: one more SUM all-reduce, every step.
+
 Each layer counts its forwards as they run (MoEMLP, once per micro-batch, not again in a recompute); ``after_step``
 moves the counts of the step into this monitor's sums on the device, nothing read on the host; ``take``, at a logged
 step, is one SUM all-reduce over every rank of a (layers, 4 + E) fp64 table: a stage holds its own layers' rows,
@@ -39,17 +42,22 @@ class MoEMonitor:
         self.num_layers, self.ctx = config.num_layers, ctx
         self.num_experts = config.moe.num_experts if config.moe else 0
         self.top_k = config.moe.top_k if config.moe else 0
+        sigmoid = config.moe is not None and config.moe.router == "sigmoid_bias"
+        self.bias_update_rate = config.moe.bias_update_rate if sigmoid else 0.0
         self._sums: torch.Tensor | None = None
 
     def after_step(self) -> None:
-        """Add the step's counts of this stage's sparse layers to the sums (on the device; no communication)."""
+        """Add the step's counts of this stage's sparse layers to the sums (on the device; no communication), and
+        move the aux-loss-free routers' bias (collective: one SUM all-reduce of the step's counts, every rank)."""
         if not self.enabled:
             return
         if self._sums is None:
             self._sums = torch.zeros(self.num_layers, FIELDS + self.num_experts, dtype=torch.float64,
                                      device=accelerator_device())  # meets no module: the communication device
-        for layer_number, layer in self.layers:
-            stats = layer.take_stats()
+        steps = {layer_number: layer.take_stats() for layer_number, layer in self.layers}
+        if self.bias_update_rate:
+            self._update_biases(steps)
+        for layer_number, stats in steps.items():
             if stats is None or self.ctx.tensor_parallel_rank != 0:
                 continue
             row = torch.cat([torch.stack([stats.aux_loss.double(), stats.z_loss.double(),
@@ -58,6 +66,18 @@ class MoEMonitor:
                                           stats.dropped.double()]),
                              stats.tokens_per_expert.double()])
             self._sums[layer_number - 1] += row.to(self._sums.device)
+
+    def _update_biases(self, steps: dict[int, Any]) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: every router's bias moves by the step's counts of its layer summed
+        over every rank (each data-parallel replica's tokens; TP peers count the same tokens, which the sign rule
+        does not see), so that every copy of a layer's bias moves alike."""
+        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=accelerator_device())
+        for layer_number, stats in steps.items():
+            if stats is not None:
+                counts[layer_number - 1] = stats.tokens_per_expert.double().to(counts.device)
+        dist.all_reduce(counts)
+        for layer_number, layer in self.layers:
+            layer.block.router.update_bias(counts[layer_number - 1], self.bias_update_rate)
 
     def take(self) -> dict[str, Any]:
         """Collective when the model has experts: the values since the last call, the same on every rank."""

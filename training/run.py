@@ -18,8 +18,6 @@ MOE_NOT_YET = {  # what a Mixture-of-Experts model (model.moe) can describe but 
     "expert_parallel": "parallelism.expert_parallel_size > 1 is not built yet (the experts split over data-parallel "
                        "ranks, their gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); "
                        "set it to 1: the experts are then replicated over the data-parallel ranks",
-    "sigmoid_bias": "model.moe.router \"sigmoid_bias\" is not built yet (its bias update after each step); use "
-                    "\"softmax\"",
     "dualpipev": "parallelism.pipeline_schedule \"dualpipev\" with model.moe is not built yet; use \"1f1b\"",
     "reshape": "a Mixture-of-Experts checkpoint cannot change TP, PP or DP yet (the universal converter does not "
                "know the experts' slices); resume it at the layout that wrote it",
@@ -33,8 +31,6 @@ def check_buildable(config: RunConfig) -> None:
         return
     if config.parallelism.expert_parallel_size > 1:
         raise ValueError(MOE_NOT_YET["expert_parallel"])
-    if moe.router == "sigmoid_bias":
-        raise ValueError(MOE_NOT_YET["sigmoid_bias"])
     if config.parallelism.pipeline_schedule == "dualpipev":
         raise ValueError(MOE_NOT_YET["dualpipev"])
 
