@@ -451,7 +451,7 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
     ]
 
 
-def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
+def universal_checkpoint_info(config: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """How DeepSpeed's universal-checkpoint converter merges this model's TP slices, by parameter name.
 
     Names are DeepSpeed's: the layer index in gpt_layer_specs, then the module path (0: the word embedding, tied:
@@ -462,7 +462,8 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     group ([q heads of the group, k, v]; per head for multi-head attention), so a TP slice holds whole groups and the
     concatenation of the slices is the full weight, GQA included; its bias; fc1 and its bias. SwiGLU's gate_up
     stacks the rank's gate and up rows, so it is merged as two sub-parameters. The vocabulary padding is cut off and
-    re-added for the new TP.
+    re-added for the new TP. ``tensor_parallel_size``: the TP of the checkpoint it describes (a Mixture-of-Experts
+    model's expert shards are recorded with their widths).
     """
     from deepspeed.checkpoint import constants as uc
 
@@ -492,7 +493,33 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     }
     if config.mlp == "swiglu":
         info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [block + rf"mlp\.{mlp_in}\.(weight|bias)$"]
+    if config.moe is not None:
+        _add_experts(info, config, tensor_parallel_size)
     return info
+
+
+def _add_experts(info: dict[str, Any], config: ModelConfig, tensor_parallel_size: int) -> None:
+    """The sparse blocks' tensors (model/moe.py): the router and the shared expert's gate replicated; the shared
+    expert split as the dense SwiGLU; experts.gate_up [E, 2 F/R, h] as gate and up cut on dim 1 and experts.down
+    [E, h, F/R] cut on dim 2, through DeepSpeed's sub-parameter shapes with each TP rank's widths. Listed only where
+    the config has a sparse block, as the converter's strict mode wants."""
+    from deepspeed.checkpoint import constants as uc
+
+    moe, block = config.moe, r"\d+\.mlp\.block\."
+    if not any(moe.is_sparse(number) for number in range(1, config.num_layers + 1)):
+        return
+    experts, ffn, widths = moe.num_experts, moe.moe_ffn_hidden_size, [moe.moe_ffn_hidden_size // tensor_parallel_size]
+    info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(block + r"router\.weight$")
+    gate_up, down = block + r"experts\.gate_up$", block + r"experts\.down$"
+    info[uc.PARAMETER_WITH_SUB_PARAMS] = [
+        {"patterns": [gate_up], "shape": (experts, (ffn, ffn), config.hidden_size), "partition_dim": 1},
+        {"patterns": [down], "shape": (experts, config.hidden_size, (ffn,)), "partition_dim": 2}]
+    info[uc.SUB_PARAM_SHARD_WIDTHS] = {gate_up: [widths * tensor_parallel_size] * 2,
+                                       down: [widths * tensor_parallel_size]}
+    if moe.shared_expert_ffn_hidden_size:
+        info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(block + r"shared_expert\.gate$")
+        info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(block + r"shared_expert\.gate_up$")
+        info[uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(block + r"shared_expert\.down$")
 
 
 def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str,

@@ -47,7 +47,16 @@ import torch.distributed as dist
 from common import deepspeed_internals as ds_internals
 from common.device import HOST
 from common.files import TEMPORARY_MARK, atomic_open, publish, write_text_atomically
-from model.checkpoint_files import LATEST, RECORD, UNIVERSAL, rank_state_file, read_latest, tag_for_step, write_latest
+from model.checkpoint_files import (
+    LATEST,
+    RECORD,
+    UNIVERSAL,
+    layer_file,
+    rank_state_file,
+    read_latest,
+    tag_for_step,
+    write_latest,
+)
 from model.random import RNGStream
 
 _TAG = re.compile(r"global_step(\d+)$")
@@ -289,17 +298,13 @@ class ResumePoint:
 
 
 def prepare_resume(directory: str | Path, now: Layout, fallback: bool, timeout_s: float,
-                   log: Callable[[str], None] = print, cannot_reshape: str | None = None) -> ResumePoint | None:
+                   log: Callable[[str], None] = print) -> ResumePoint | None:
     """Collective, before the engine is built: pick and check the checkpoint; if another layout wrote it, make sure
-    its universal conversion exists (rank 0 converts, the others wait). The engine then needs load_universal.
-    ``cannot_reshape``: why this model cannot change layout (raised as the error when it would have to)."""
+    its universal conversion exists (rank 0 converts, the others wait). The engine then needs load_universal."""
     tag = choose_checkpoint(directory, fallback, log)
     if tag is None:
         return None
     point = ResumePoint(str(directory), tag, saved_layout(directory, tag), now)
-    if point.reshaped and cannot_reshape:
-        raise ValueError(f"{point.tag} in {directory} was written at {point.written_at}; this run is {now}: "
-                         f"{cannot_reshape}")
     if point.reshaped:
         if dist.get_rank() == 0:
             log(f"{point.tag} was written at {point.written_at}; this run is {now}: converting it with DeepSpeed's "
@@ -448,6 +453,22 @@ def load_weights(engine: Any, directory: str | Path) -> int:
     return int((client_state or {}).get("train_state", {}).get("consumed_tokens", 0))
 
 
+def restore_buffers(module: Any, tag_directory: Path) -> None:
+    """The persistent buffers of this stage's layers (the aux-loss-free routers' bias, model/moe.py), from the layer
+    files of the checkpoint itself: the universal conversion carries parameters and their optimizer states only.
+    They are replicated over TP, so TP rank 0's file holds each whole, whatever the TP of either layout."""
+    for index in ds_internals.stage_layer_indices(module):
+        try:
+            layer = ds_internals.stage_layer(module, index)
+        except KeyError:  # a function or a tied layer: no buffers of its own
+            continue
+        names = [name for name, _ in layer.named_buffers() if name in layer.state_dict()]  # persistent ones
+        if names:
+            saved = torch.load(layer_file(tag_directory, index, 0), weights_only=True)
+            for name in names:
+                layer.get_buffer(name).copy_(saved[name])
+
+
 def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """Load a complete checkpoint into the engine (``point``, else ``latest``); return (client_state, this rank's
@@ -468,6 +489,7 @@ def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | Non
         ds_internals.stop_loading_universal(engine)  # later loads (a spike rollback) read this run's own format
         if load_path is None:
             raise ValueError(f"DeepSpeed could not load the universal checkpoint {Path(directory) / UNIVERSAL / tag}")
+        restore_buffers(engine.module, Path(directory) / tag)
         return client_state, {}
     load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=False)

@@ -19,8 +19,6 @@ MOE_NOT_YET = {  # what a Mixture-of-Experts model (model.moe) can describe but 
                        "ranks, their gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); "
                        "set it to 1: the experts are then replicated over the data-parallel ranks",
     "dualpipev": "parallelism.pipeline_schedule \"dualpipev\" with model.moe is not built yet; use \"1f1b\"",
-    "reshape": "a Mixture-of-Experts checkpoint cannot change TP, PP or DP yet (the universal converter does not "
-               "know the experts' slices); resume it at the layout that wrote it",
 }
 
 
@@ -44,8 +42,7 @@ def resume_point(config: RunConfig) -> ResumePoint | None:
                  parallel.data_parallel_size(dist.get_world_size()), parallel.pipeline_schedule)
     log = print if dist.get_rank() == 0 else (lambda message: None)
     return prepare_resume(config.training.save, now, config.training.fallback_on_corrupt_checkpoint,
-                          config.training.reshape_timeout_s, log,
-                          cannot_reshape=MOE_NOT_YET["reshape"] if config.model.moe else None)
+                          config.training.reshape_timeout_s, log)
 
 
 def run(config: RunConfig) -> TrainState:
