@@ -53,6 +53,8 @@ def test_moe_trains_logs_its_routers_and_resumes_exactly(corpus, straight, tmp_p
     assert [step for step, *_ in steps] == list(range(1, 9))
     assert steps[-1][1] < steps[0][1] - 0.5  # the loss falls (about 10.9 at the start: ln 50257)
     records = read_metrics(save / "metrics.jsonl")
+    load = f"MoE aux {records[-1]['moe_aux_loss']:.3f} | expert load max/mean {records[-1]['moe_load_imbalance']:.2f}"
+    assert "[train] step 8 |" in output and load in output  # the console's line, as the README shows it
     for record in records:
         assert 0.0 < record["moe_aux_loss"] <= MOE["num_experts"]  # E sum_e f_e P_e <= E max_e P_e; 1 when even
         assert record["moe_z_loss"] > 0.0 and record["moe_dropped_fraction"] == 0.0  # dropless

@@ -20,6 +20,7 @@ CONSOLE_FIELDS = [
     ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
     ("skipped_steps", "skipped {}"), ("spikes", "spikes {}"), ("z_loss", "z-loss {:.2e}"),
     ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),
+    ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_load_imbalance", "expert load max/mean {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
     ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("hfu", "HFU {:.1%}"),
     ("peak_memory_gib", "peak {:.1f} GiB"),
