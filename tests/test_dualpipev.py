@@ -7,7 +7,8 @@ numbers, only where they run and when differs, so losses and gradient norms agre
 last bit here, or one fp32 rounding of the norm).
 
 - (TP, PP, DP) = (1, 2, 1), (1, 4, 1) and (2, 2, 2) with sequence parallelism, 6 steps each; (2, 2, 1) runs through
-  the launcher and the trainer below.
+  the launcher and the trainer below. At (1, 2, 1) a Mixture-of-Experts model too, its aux losses attached where its
+  sparse blocks run, scaled by the micro-batch count of each step of the ramp.
 - bf16 (BF16_Optimizer) under DualPipeV at (2, 2, 2) stays within the bounds tests/test_model_parallel.py derives
   from bf16's precision for bf16 against fp32.
 - Through ``train.py`` and the deepspeed launcher at TP 2 x PP 2: a DualPipeV run equals the 1F1B reference of
@@ -24,7 +25,7 @@ import torch
 from model.config import ParallelConfig
 from tests.distributed import run_distributed
 from tests.launch import run_training
-from tests.test_model_parallel import SEED, deepspeed_config, model_config
+from tests.test_model_parallel import MOE, SEED, deepspeed_config, model_config
 from tests.test_reshape import BASE, RESUME_AT, STEPS, resumable_copy, steps
 from tests.test_train import assert_log_z_at_initialisation
 from training.engine import build_engine, pipeline_schedule_of
@@ -62,8 +63,8 @@ def _train_both(tensor_parallel_size: int, pipeline_parallel_size: int, num_laye
     """Each (schedule, precision) of ``runs`` from scratch through the ramp, one after the other in these processes."""
     results = []
     counts = ramp(pipeline_parallel_size)
-    for schedule, precision in runs:
-        config = model_config(precision=precision, num_layers=num_layers)
+    for schedule, precision, fields in runs:
+        config = model_config(precision=precision, num_layers=num_layers, **fields)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
                                   pipeline_schedule=schedule)
@@ -83,26 +84,31 @@ def _train_both(tensor_parallel_size: int, pipeline_parallel_size: int, num_laye
     return results
 
 
-FP32_BOTH = [("1f1b", "fp32"), ("dualpipev", "fp32")]
+FP32_BOTH = [("1f1b", "fp32", {}), ("dualpipev", "fp32", {})]
+# Mixture-of-Experts (tests/test_model_parallel.py's MOE): the aux losses attached where the blocks run follow the
+# ramp's micro-batch count under both schedules (the engine sets it before each forward)
+MOE_BOTH = [("1f1b", "fp32", MOE), ("dualpipev", "fp32", MOE)]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, pp, dp, num_layers, sequence_parallel, runs", [
-    (1, 2, 1, 6, False, FP32_BOTH),  # stages of 2, 2, 1, 1 blocks: 3 a rank, as 530B's 105 over PP 35
+    (1, 2, 1, 6, False, [*FP32_BOTH, *MOE_BOTH]),  # stages of 2, 2, 1, 1 blocks: 3 a rank, as 530B's 105 / PP 35
     (1, 4, 1, 8, False, FP32_BOTH),
-    (2, 2, 2, 4, True, [*FP32_BOTH, ("dualpipev", "bf16")]),
-], ids=["1-2-1", "1-4-1", "2-2-2-sp"])
+    (2, 2, 2, 4, True, [*FP32_BOTH, ("dualpipev", "bf16", {})]),
+], ids=["1-2-1-moe", "1-4-1", "2-2-2-sp"])
 def test_dualpipev_equals_1f1b_through_the_ramp(tp, pp, dp, num_layers, sequence_parallel, runs):
     ranks = run_distributed(tp * pp * dp, _train_both, tp, pp, num_layers, sequence_parallel, runs)
     expected_schedules = ["vshape"] * 3 + ["dualpipev"] * 3
     for rank_results in ranks:  # every rank reports the same DP-averaged loss and global norm
-        plain, dual = rank_results[0], rank_results[1]
-        assert plain["schedules"] == ["1f1b"] * 6
-        assert dual["schedules"] == expected_schedules
-        assert plain["class"] == "PipelineEngine" and dual["class"] == "DualPipeVEngineWithShortBatches"
-        assert plain["losses"][-1] < plain["losses"][0] - 0.3
-        torch.testing.assert_close(dual["losses"], plain["losses"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dual["norms"], plain["norms"], rtol=1e-5, atol=1e-5)
+        pairs = [(0, 1), (2, 3)] if runs[2:] == MOE_BOTH else [(0, 1)]
+        for plain, dual in [(rank_results[i], rank_results[j]) for i, j in pairs]:
+            assert plain["schedules"] == ["1f1b"] * 6
+            assert dual["schedules"] == expected_schedules
+            assert plain["class"] == "PipelineEngine" and dual["class"] == "DualPipeVEngineWithShortBatches"
+            assert plain["losses"][-1] < plain["losses"][0] - 0.3
+            torch.testing.assert_close(dual["losses"], plain["losses"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(dual["norms"], plain["norms"], rtol=1e-5, atol=1e-5)
+        plain = rank_results[0]
         if len(rank_results) == 3:
             # bf16 against fp32, bounds from bf16's 8 significant bits (tests/test_model_parallel.py says how):
             # losses within 0.05 (one bf16 spacing of a loss near 10 is 2^-4); the first step's gradient norm within

@@ -14,23 +14,16 @@ from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
 from training.trainer import Trainer, TrainState
 
-MOE_NOT_YET = {  # what a Mixture-of-Experts model (model.moe) can describe but the pipeline does not train yet
-    "expert_parallel": "parallelism.expert_parallel_size > 1 is not built yet (the experts split over data-parallel "
-                       "ranks, their gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); "
-                       "set it to 1: the experts are then replicated over the data-parallel ranks",
-    "dualpipev": "parallelism.pipeline_schedule \"dualpipev\" with model.moe is not built yet; use \"1f1b\"",
-}
+EXPERT_PARALLEL_NOT_YET = (
+    "parallelism.expert_parallel_size > 1 is not built yet (the experts split over data-parallel ranks, their "
+    "gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); set it to 1: the experts are then "
+    "replicated over the data-parallel ranks")
 
 
 def check_buildable(config: RunConfig) -> None:
     """Refuse what the config can describe but the pipeline does not build yet, before data or a process group."""
-    moe = config.model.moe
-    if moe is None:
-        return
-    if config.parallelism.expert_parallel_size > 1:
-        raise ValueError(MOE_NOT_YET["expert_parallel"])
-    if config.parallelism.pipeline_schedule == "dualpipev":
-        raise ValueError(MOE_NOT_YET["dualpipev"])
+    if config.model.moe is not None and config.parallelism.expert_parallel_size > 1:
+        raise ValueError(EXPERT_PARALLEL_NOT_YET)
 
 
 def resume_point(config: RunConfig) -> ResumePoint | None:
