@@ -1,7 +1,8 @@
 """Hugging Face interop: a checkpoint of this project <-> a ``transformers`` causal LM, one layer at a time.
 
     module               what
-    tables               the tensor table of each architecture (GPT-2, Llama, Mistral, Qwen2), layer maps, shapes
+    tables               the tensor table of each architecture (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral,
+                         Qwen2-MoE, Qwen3-MoE), layer maps, shapes
     transforms           the named transforms: merge TP shards into an HF tensor, split one into shards
     config_map           HF config.json <-> the model block: the fields it fixes, the options refused
     checkpoint_reader    open a checkpoint of this project and read it a layer at a time, checked

@@ -5,10 +5,27 @@ An HF config.json is read with the transformers config class of its architecture
 lacks), then checked: an option this project's GPT does not have (a sliding window shorter than the context, a
 rope_scaling other than llama3, attention biases on some projections only, ...) is refused naming the key. ``model_fields_from_hf`` gives the
 ModelConfig fields it fixes; ``check_model_matches`` names every field a run config's model block has otherwise.
+
+The experts of Mixtral, Qwen2-MoE and Qwen3-MoE (the model.moe block, MoEConfig):
+
+    HF config.json                                       model.moe
+    num_local_experts (Mixtral) / num_experts (Qwen)     num_experts
+    num_experts_per_tok                                  top_k
+    intermediate_size (Mixtral) / moe_intermediate_size  moe_ffn_hidden_size (Mixtral: ffn_hidden_size too)
+    shared_expert_intermediate_size (Qwen2-MoE, > 0)     shared_expert_ffn_hidden_size
+    norm_topk_prob (Mixtral: always true)                norm_topk_prob
+    decoder_sparse_step (Mixtral: 1)                     sparse_every
+    mlp_only_layers [0, ..., k-1] (only such a prefix)   first_dense_layers k
+    router_aux_loss_coef c                               aux_loss_coeff c x top_k (MoEConfig's docstring)
+    router_jitter_noise (Mixtral): only 0                router "softmax" (the only router of the three)
+
+output_router_logits changes nothing here. The z-loss coefficient and the capacity are no part of an HF config: an
+export leaves them out (the exported model routes dropless), an import takes the defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,11 +33,16 @@ from typing import Any
 import torch
 
 from hf.tables import ARCHITECTURES, Architecture, compatible_architectures, resolve_architecture
-from model.config import LLAMA3_SCALING_KEYS, ModelConfig, set_option
+from model.config import LLAMA3_SCALING_KEYS, ModelConfig, MoEConfig, set_option
 
 ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                       "gelu_fast": "gelu_tanh"}  # the three tanh approximations agree to ~1e-7
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FUNCTION_FIELDS = ("num_experts", "top_k", "moe_ffn_hidden_size", "router", "norm_topk_prob",
+                       "shared_expert_ffn_hidden_size", "sparse_every", "first_dense_layers")
+"""The model.moe fields that make the model's function (and its tensors): what an import must match. The loss
+coefficients, the capacity and the bias update rate are training choices."""
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype, end_of_text_id: int | None,
@@ -64,9 +86,32 @@ def _llama_family_config(config: ModelConfig, dtype: torch.dtype, architecture: 
         fields.update(sliding_window=None)
     elif architecture.model_type == "qwen3":  # q_norm / k_norm always there, no bias
         fields.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    elif architecture.model_type == "mixtral":
+        fields.update(sliding_window=None, router_jitter_noise=0.0, **_moe_hf_fields(config, "mixtral"))
+    elif architecture.model_type == "qwen2_moe":  # q, k, v biases or none
+        fields.update(use_sliding_window=False, sliding_window=None, qkv_bias=config.bias == "qkv",
+                      **_moe_hf_fields(config, "qwen2_moe"))
+    elif architecture.model_type == "qwen3_moe":
+        fields.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                      **_moe_hf_fields(config, "qwen3_moe"))
     else:  # qwen2: the q, k, v biases are always there; no sliding window
         fields.update(use_sliding_window=False, sliding_window=None)
     return AutoConfig.for_model(architecture.model_type, **fields)
+
+
+def _moe_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The experts' keys of an HF config (the module docstring's table)."""
+    moe = config.moe
+    fields = dict(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff / moe.top_k,
+                  output_router_logits=False)
+    if model_type == "mixtral":  # intermediate_size is the experts' width: every block is sparse
+        return {**fields, "num_local_experts": moe.num_experts, "intermediate_size": moe.moe_ffn_hidden_size}
+    fields.update(num_experts=moe.num_experts, moe_intermediate_size=moe.moe_ffn_hidden_size,
+                  norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_every,
+                  mlp_only_layers=list(range(moe.first_dense_layers)))
+    if model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
+    return fields
 
 
 
@@ -89,8 +134,9 @@ def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
 
 
 def read_hf_config(hf_dir: str | Path):
-    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) of an HF model directory;
-    ValueError for any other architecture or an option this project's GPT does not have, naming the key."""
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig,
+    Qwen2MoeConfig, Qwen3MoeConfig) of an HF model directory; ValueError for any other architecture or an option this
+    project's GPT does not have, naming the key."""
     path = Path(hf_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -132,7 +178,8 @@ def _hf_rope(config) -> dict[str, Any]:
 
 def _sliding_window(config) -> int | None:
     """The window that config attends within, None when it attends to the whole context."""
-    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if getattr(config, "model_type", None) in qwen and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None)
 
@@ -154,16 +201,32 @@ def _check_llama_family_options(path: Path, config, architecture: Architecture) 
     unsupported = {
         "rope_scaling": (bool(missing), f"lacks {missing}"),
         "hidden_act": (config.hidden_act != "silu", "only silu (SwiGLU) exists here"),
-        "head_dim": (architecture.model_type == "qwen2" and head_dim not in (None, default_head_dim),
+        "head_dim": (architecture.model_type in ("qwen2", "qwen2_moe") and head_dim not in (None, default_head_dim),
                      f"a Qwen2 head is hidden_size / num_attention_heads = {default_head_dim} wide here"),
         "attention_bias": (attention_bias != mlp_bias, f"with mlp_bias = {mlp_bias}: biases here are on every "
                                                        f"linear layer, on none, or on q, k and v only (Qwen2)")}
-    if architecture.model_type == "qwen3":  # Qwen3's attention_bias puts a bias on q, k, v and o, its MLP none
+    if architecture.model_type in ("qwen3", "qwen3_moe"):  # attention_bias: a bias on q, k, v and o, the MLP none
         unsupported["attention_bias"] = (attention_bias, "Qwen3 models convert without attention biases only")
+    if architecture.model_type in MOE_MODEL_TYPES:
+        unsupported.update(_unsupported_moe_options(config))
     for key, (bad, why) in unsupported.items():
         if bad:
             raise ValueError(f"{path}: {key} = {getattr(config, key, None)!r} has no equivalent in this project's "
                              f"GPT: {why}")
+
+
+def _unsupported_moe_options(config) -> dict[str, tuple[bool, str]]:
+    dense = sorted(set(getattr(config, "mlp_only_layers", None) or []))
+    return {
+        "mlp_only_layers": (dense != list(range(len(dense))),
+                            "only the first k blocks can be dense here (mlp_only_layers [0, ..., k-1]: "
+                            "model.moe.first_dense_layers = k)"),
+        "router_jitter_noise": (getattr(config, "router_jitter_noise", 0.0) != 0.0,
+                                "the router here multiplies no noise into its input: only 0"),
+        "shared_expert_intermediate_size": (config.model_type == "qwen2_moe" and
+                                            not getattr(config, "shared_expert_intermediate_size", 0) > 0,
+                                            "a Qwen2-MoE block has its shared expert here: only > 0"),
+    }
 
 
 def architecture_of(config) -> Architecture:
@@ -182,12 +245,14 @@ def model_fields_from_hf(config) -> dict[str, Any]:
                 "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
                 "activation": ACTIVATION_FROM_HF[config.activation_function], "position_embedding": "learned",
                 "norm": "layernorm", "mlp": "gelu", "num_key_value_heads": config.n_head, "tie_word_embeddings": True,
-                "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False}
+                "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False, "moe": None}
     rope = _hf_rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in LLAMA3_SCALING_KEYS}}
     if config.model_type == "qwen2":
         bias = "qkv"
+    elif config.model_type == "qwen2_moe":
+        bias = "qkv" if config.qkv_bias else "none"
     else:
         bias = "all" if getattr(config, "attention_bias", False) else "none"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -198,25 +263,58 @@ def model_fields_from_hf(config) -> dict[str, Any]:
             "ffn_hidden_size": config.intermediate_size, "layernorm_epsilon": config.rms_norm_eps,
             "position_embedding": "rope", "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
             "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias,
-            "head_dim": head_dim, "qk_layernorm": config.model_type == "qwen3"}
+            "head_dim": head_dim, "qk_layernorm": config.model_type in ("qwen3", "qwen3_moe"),
+            "moe": _moe_fields_from_hf(config)}
+
+
+def _moe_fields_from_hf(config) -> dict[str, Any] | None:
+    """model.moe of an HF config (the module docstring's table); None for a dense model."""
+    if config.model_type not in MOE_MODEL_TYPES:
+        return None
+    top_k = config.num_experts_per_tok
+    fields = dict(num_experts=config.num_experts, top_k=top_k, router="softmax",
+                  aux_loss_coeff=config.router_aux_loss_coef * top_k)
+    if config.model_type == "mixtral":  # every block sparse, the top k always renormalised, no shared expert
+        return dict(fields, moe_ffn_hidden_size=config.intermediate_size, norm_topk_prob=True,
+                    shared_expert_ffn_hidden_size=0, sparse_every=1, first_dense_layers=0)
+    shared = config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else 0
+    return dict(fields, moe_ffn_hidden_size=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
+                shared_expert_ffn_hidden_size=shared, sparse_every=config.decoder_sparse_step,
+                first_dense_layers=len(set(config.mlp_only_layers or [])))
+
+
+def _differences(model: ModelConfig, wanted: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """field -> (the model's value, the HF one) for every field that differs; model.moe field by field, over the
+    fields of its function only (MOE_FUNCTION_FIELDS)."""
+    different = {}
+    for field, value in wanted.items():
+        ours = getattr(model, field)
+        if field == "moe" and ours is not None and value is not None:
+            theirs = MoEConfig.from_dict(value)
+            different.update({f"moe.{key}": (getattr(ours, key), getattr(theirs, key)) for key in MOE_FUNCTION_FIELDS
+                              if getattr(ours, key) != getattr(theirs, key)})
+        elif field == "moe" and (ours is None) != (value is None):
+            different[field] = (None if ours is None else dataclasses.asdict(ours), value)
+        elif field != "moe" and ours != value:
+            different[field] = (ours, value)
+    return different
 
 
 def check_model_matches(model: ModelConfig, hf, config_source: str, hf_dir: str | Path) -> None:
     """ValueError naming every ModelConfig field that differs from the HF model's, and the options that fix it:
     model.from_hf (the whole model block from the HF config), or each field."""
-    wanted = model_fields_from_hf(hf)
-    different = {field: value for field, value in wanted.items() if getattr(model, field) != value}
+    different = _differences(model, model_fields_from_hf(hf))
     if not different:
         return
     whole = set_option("model.from_hf", str(hf_dir))
-    fixes = " ".join(set_option(f"model.{field}", value) for field, value in different.items())
+    fixes = " ".join(set_option(f"model.{field}", value) for field, (_, value) in different.items())
     hf_source = f"{hf_dir}/config.json"
     architecture, fits = architecture_of(hf), compatible_architectures(model)
     if architecture not in fits:
         target = f"only {' / '.join(a.name for a in fits)}" if fits else "no Hugging Face architecture"
         raise ValueError(f"{hf_source} is a {architecture.name}, but the model of {config_source} fits {target}: "
                          f"take the model block from the HF config with {whole} (or set its fields: {fixes})")
-    wrong = [f"model.{field} is {getattr(model, field)!r} in {config_source}, the HF model has {value!r}"
-             for field, value in different.items()]
+    wrong = [f"model.{field} is {ours!r} in {config_source}, the HF model has {value!r}"
+             for field, (ours, value) in different.items()]
     raise ValueError(f"the run config's model does not match {hf_source}:\n  " + "\n  ".join(wrong) +
                      f"\ntake the model block from the HF config with {whole} (or set these fields: {fixes})")

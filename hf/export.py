@@ -56,9 +56,6 @@ def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str
     """
     checkpoint = open_checkpoint(checkpoint_dir, tag)
     config, output = checkpoint.model, Path(output_dir)
-    if config.moe is not None:
-        raise ValueError(f"{checkpoint.directory} holds a Mixture-of-Experts model (model.moe): its export to Hugging "
-                         f"Face (Mixtral, Qwen2-MoE, Qwen3-MoE) is not built yet")
     target = _export_architecture(checkpoint, architecture)
     dtype = dtype or PRECISION_DTYPES[config.precision]
     max_bytes = parse_size(max_shard_size)

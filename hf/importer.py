@@ -133,7 +133,8 @@ def _write_layer(tag_directory: Path, layer: LayerMap, weights: HFWeights, model
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for tensor in layer.tensors:
         values = [weights.get(name, shape) for name, shape in hf_tensor_shapes(tensor, model).items()]
-        for rank, piece in enumerate(split_from_hf(tensor, values[0] if len(values) == 1 else values, model, tp)):
+        value = values[0] if isinstance(tensor.hf, str) else values  # a sequence for a tensor fused here
+        for rank, piece in enumerate(split_from_hf(tensor, value, model, tp)):
             shards[rank][tensor.ours] = piece.to(dtype)
     for rank, state in enumerate(shards):
         torch.save(state, layer_file(tag_directory, layer.index, rank))

@@ -1,6 +1,6 @@
 """The map between this project's tensors and Hugging Face's: one literal table per architecture.
 
-Four architectures, each the same function as this project's GPT with the matching ModelConfig fields:
+Five dense architectures, each the same function as this project's GPT with the matching ModelConfig fields:
 
     GPT2LMHeadModel      position_embedding "learned", norm "layernorm", mlp "gelu", tied, bias "all", multi-head
     LlamaForCausalLM     position_embedding "rope" (llama3 scaling or none), norm "rmsnorm", mlp "swiglu", grouped KV
@@ -9,10 +9,21 @@ Four architectures, each the same function as this project's GPT with the matchi
     Qwen2ForCausalLM     as Llama, bias "qkv" (q, k and v projections only); no sliding window
     Qwen3ForCausalLM     as Llama, bias "none", qk_layernorm (per-head RMSNorm q_norm / k_norm), head_dim free
 
+and three Mixture-of-Experts architectures (``model.moe``, router "softmax"; the sparse blocks' MLP is the
+MoE block, model/moe.py, the others keep the dense SwiGLU MLP):
+
+    MixtralForCausalLM   as Mistral; every block sparse, norm_topk_prob true, no shared expert
+    Qwen2MoeForCausalLM  as Qwen2 (bias "qkv", or "none": qkv_bias false); a shared expert with its sigmoid gate;
+                         dense blocks where decoder_sparse_step / mlp_only_layers (a prefix) say
+    Qwen3MoeForCausalLM  as Qwen3; no shared expert; dense blocks as Qwen2-MoE's
+
 Each architecture is one table below (``ARCHITECTURES``): our (layer, tensor) -> the HF name(s), ``{}`` standing for
-the block index, and the name of the transform (hf/transforms.py) that turns one into the other. ``layer_maps`` lists
-every saved layer of a model with its tensors, shapes and TP split; the layer index is the XX of layer_XX files:
-0 word embedding, 1 positions, 2..L+1 blocks, L+2 final norm, L+3 the untied head.
+the block index and ``{expert}`` for the expert (one HF tensor, or gate and up, per expert), and the name of the
+transform (hf/transforms.py) that turns one into the other. The expert names are those transformers (5.x) writes
+with save_pretrained and the original checkpoints have; in memory it fuses them into 3-D ``experts.gate_up_proj``
+and ``experts.down_proj``, which it also loads but does not write. ``layer_maps`` lists every saved layer of a model
+with its tensors, shapes and TP split; the layer index is the XX of layer_XX files: 0 word embedding, 1 positions,
+2..L+1 blocks, L+2 final norm, L+3 the untied head.
 """
 
 from __future__ import annotations
@@ -52,6 +63,12 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("block", "mlp.gate_up.bias"): (("2f",), 0),
     ("block", "mlp.down.weight"): (("h", "f"), 1),
     ("block", "mlp.down.bias"): (("h",), None),
+    ("block", "mlp.block.router.weight"): (("experts", "h"), None),
+    ("block", "mlp.block.experts.gate_up"): (("experts", "2fe", "h"), 1),
+    ("block", "mlp.block.experts.down"): (("experts", "h", "fe"), 2),
+    ("block", "mlp.block.shared_expert.gate_up"): (("2fs", "h"), 0),
+    ("block", "mlp.block.shared_expert.down"): (("h", "fs"), 1),
+    ("block", "mlp.block.shared_expert.gate"): (("one", "h"), None),
     ("final_norm", "weight"): (("h",), None),
     ("final_norm", "bias"): (("h",), None),
     ("head", "weight"): (("padded_vocab", "h"), 0),
@@ -59,7 +76,10 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
 
 # transform name -> (HF stores the transpose, layout); the layouts are handled by split_from_hf / merge_to_hf
 TRANSFORMS = {"copy": (False, "plain"), "vocab": (False, "vocab"), "conv1d": (True, "plain"),
-              "conv1d_qkv": (True, "qkv"), "grouped_qkv": (False, "grouped_qkv"), "gate_up": (False, "gate_up")}
+              "conv1d_qkv": (True, "qkv"), "grouped_qkv": (False, "grouped_qkv"), "gate_up": (False, "gate_up"),
+              "experts": (False, "experts"), "experts_gate_up": (False, "experts_gate_up")}
+# a layout of [E, ...] tensors, one HF tensor (or gate and up) per expert -> the layout of each expert's [...] slice
+EXPERT_LAYOUTS = {"experts": "plain", "experts_gate_up": "gate_up"}
 
 GPT2_TENSORS = {
     ("embedding", "weight"): ("transformer.wte.weight", "vocab"),
@@ -104,6 +124,29 @@ QWEN3_TENSORS = {**LLAMA_TENSORS,  # Qwen3ForCausalLM: Llama's names, and a norm
                  ("block", "attention.q_norm.weight"): (_ATTENTION + "q_norm.weight", "copy"),
                  ("block", "attention.k_norm.weight"): (_ATTENTION + "k_norm.weight", "copy")}
 
+_DENSE_MLP = {("block", f"mlp.{linear}.{p}") for linear in ("gate_up", "down") for p in ("weight", "bias")}
+_MIXTRAL_MOE = "model.layers.{}.block_sparse_moe."
+MIXTRAL_TENSORS = {**{key: value for key, value in LLAMA_TENSORS.items() if key not in _DENSE_MLP},
+                   ("block", "mlp.block.router.weight"): (_MIXTRAL_MOE + "gate.weight", "copy"),
+                   ("block", "mlp.block.experts.gate_up"): ((_MIXTRAL_MOE + "experts.{expert}.w1.weight",
+                                                            _MIXTRAL_MOE + "experts.{expert}.w3.weight"),
+                                                           "experts_gate_up"),
+                   ("block", "mlp.block.experts.down"): (_MIXTRAL_MOE + "experts.{expert}.w2.weight", "experts")}
+_QWEN_MOE = "model.layers.{}.mlp."
+_QWEN_EXPERTS = {
+    ("block", "mlp.block.router.weight"): (_QWEN_MOE + "gate.weight", "copy"),
+    ("block", "mlp.block.experts.gate_up"): ((_QWEN_MOE + "experts.{expert}.gate_proj.weight",
+                                             _QWEN_MOE + "experts.{expert}.up_proj.weight"), "experts_gate_up"),
+    ("block", "mlp.block.experts.down"): (_QWEN_MOE + "experts.{expert}.down_proj.weight", "experts"),
+}
+QWEN2_MOE_TENSORS = {**LLAMA_TENSORS, **_QWEN_EXPERTS,  # the dense blocks' MLP keeps Llama's names
+                     ("block", "mlp.block.shared_expert.gate_up"): ((_QWEN_MOE + "shared_expert.gate_proj.weight",
+                                                                    _QWEN_MOE + "shared_expert.up_proj.weight"),
+                                                                   "gate_up"),
+                     ("block", "mlp.block.shared_expert.down"): (_QWEN_MOE + "shared_expert.down_proj.weight", "copy"),
+                     ("block", "mlp.block.shared_expert.gate"): (_QWEN_MOE + "shared_expert_gate.weight", "copy")}
+QWEN3_MOE_TENSORS = {**QWEN3_TENSORS, **_QWEN_EXPERTS}
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -115,7 +158,8 @@ class Architecture:
     base_prefix: str
     """Prefix of the base model's weights: a directory saved from the base model (GPT2Model) lacks it."""
     tensors: dict[tuple[str, str], tuple[str | tuple[str, ...], str]]
-    """(our layer kind, our key) -> (HF name or names, ``{}`` for the block index; transform name)."""
+    """(our layer kind, our key) -> (HF name or names, ``{}`` for the block index, ``{expert}`` for the expert;
+    transform name)."""
 
 
 ARCHITECTURES = {arch.name: arch for arch in (
@@ -124,6 +168,9 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture("MistralForCausalLM", "mistral", "model.", LLAMA_TENSORS),
     Architecture("Qwen2ForCausalLM", "qwen2", "model.", LLAMA_TENSORS),
     Architecture("Qwen3ForCausalLM", "qwen3", "model.", QWEN3_TENSORS),
+    Architecture("MixtralForCausalLM", "mixtral", "model.", MIXTRAL_TENSORS),
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "model.", QWEN2_MOE_TENSORS),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "model.", QWEN3_MOE_TENSORS),
 )}
 
 
@@ -138,11 +185,49 @@ def compatible_architectures(config: ModelConfig) -> list[Architecture]:
         return [ARCHITECTURES["GPT2LMHeadModel"]]
     if (config.position_embedding, config.norm, config.mlp) != ("rope", "rmsnorm", "swiglu"):
         return []
+    if config.moe is not None:
+        return _moe_architectures(config, default_head_dim)
     if config.qk_layernorm:
         return [ARCHITECTURES["Qwen3ForCausalLM"]] if config.bias == "none" else []
     names = {"none": ["LlamaForCausalLM", "MistralForCausalLM"], "all": ["LlamaForCausalLM"],
              "qkv": ["Qwen2ForCausalLM"] if default_head_dim else []}[config.bias]
     return [ARCHITECTURES[name] for name in names]
+
+
+def _moe_architectures(config: ModelConfig, default_head_dim: bool) -> list[Architecture]:
+    """The one MoE architecture of a rope/rmsnorm/swiglu model with experts, if any: Qwen3-MoE has the q/k norms,
+    Qwen2-MoE the shared expert, Mixtral neither (and every block sparse, the top k renormalised)."""
+    moe = config.moe
+    shared = moe.shared_expert_ffn_hidden_size > 0
+    if moe.router != "softmax":
+        return []
+    if config.qk_layernorm:
+        fits = config.bias == "none" and not shared
+        name = "Qwen3MoeForCausalLM"
+    elif shared:
+        fits = config.bias in ("qkv", "none") and default_head_dim
+        name = "Qwen2MoeForCausalLM"
+    else:
+        fits = (config.bias == "none" and moe.norm_topk_prob and moe.sparse_every == 1
+                and moe.first_dense_layers == 0)
+        name = "MixtralForCausalLM"
+    return [ARCHITECTURES[name]] if fits else []
+
+
+def _no_architecture_message(config: ModelConfig) -> str:
+    fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
+                                                    "bias", "num_key_value_heads", "head_dim", "qk_layernorm")}
+    shape = ", ".join(f"model.{k} = {v!r}" for k, v in fields.items())
+    if config.moe is not None:
+        experts = ", ".join(f"model.moe.{key} = {getattr(config.moe, key)!r}" for key in (
+            "router", "norm_topk_prob", "shared_expert_ffn_hidden_size", "sparse_every", "first_dense_layers"))
+        return (f"this Mixture-of-Experts model's shape ({shape}, {experts}) is no Hugging Face architecture "
+                f"converted here: all need router \"softmax\"; Mixtral bias none, no qk_layernorm, no shared expert, "
+                f"norm_topk_prob true and every block sparse; Qwen2-MoE a shared expert, bias qkv or none, no "
+                f"qk_layernorm, head_dim hidden_size / heads; Qwen3-MoE qk_layernorm, bias none, no shared expert")
+    return (f"this model's shape ({shape}) is no Hugging Face architecture converted here: GPT-2's is "
+            f"learned/layernorm/gelu/tied/bias all, the Llama family's rope/rmsnorm/swiglu (Qwen3's with qk_layernorm "
+            f"and bias none)")
 
 
 def resolve_architecture(config: ModelConfig, name: str | None = None) -> Architecture:
@@ -151,11 +236,7 @@ def resolve_architecture(config: ModelConfig, name: str | None = None) -> Archit
     if name is not None and name not in ARCHITECTURES:
         raise ValueError(f"architecture {name!r} is not supported: choose one of {sorted(ARCHITECTURES)}")
     if not fits:
-        fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
-                                                        "bias", "num_key_value_heads", "head_dim", "qk_layernorm")}
-        raise ValueError(f"this model's shape ({', '.join(f'model.{k} = {v!r}' for k, v in fields.items())}) is no "
-                         f"Hugging Face architecture converted here: GPT-2's is learned/layernorm/gelu/tied/bias all, "
-                         f"the Llama family's rope/rmsnorm/swiglu (Qwen3's with qk_layernorm and bias none)")
+        raise ValueError(_no_architecture_message(config))
     if name is None:
         return fits[0]
     if ARCHITECTURES[name] not in fits:
@@ -169,10 +250,11 @@ class TensorMap(NamedTuple):
     ours: str
     """Key in the layer's state_dict (one layer_XX file)."""
     hf: str | tuple[str, ...]
-    """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up)."""
+    """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up;
+    "experts": one per expert; "experts_gate_up": gate and up of expert 0, of expert 1, ...)."""
     dims: tuple[str, ...]
     """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, d, attention, positions,
-    padded_vocab)."""
+    padded_vocab; experts, fe, 2fe, fs, 2fs, one)."""
     partition_dim: int | None = None
     """Dimension split over TP ranks here; None: replicated on every TP rank."""
     transposed: bool = False
@@ -180,7 +262,8 @@ class TensorMap(NamedTuple):
     layout: str = "plain"
     """"qkv": GPT-2's rows per head [heads, 3, d] here, [3, heads, d] in HF; "grouped_qkv": rows per KV group here,
     HF's q, k, v apart; "gate_up": [gate_r; up_r] per TP rank here, HF's gate and up apart; "vocab": padding rows
-    here only."""
+    here only; "experts" / "experts_gate_up": [E, ...] here, each expert's slice "plain" / "gate_up" (its own HF
+    tensors)."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -194,8 +277,8 @@ class LayerMap(NamedTuple):
     tensors: tuple[TensorMap, ...]
 
 
-def _our_keys(config: ModelConfig, kind: str) -> list[str]:
-    """The state_dict keys of one layer of this model (layer kinds as in OUR_TENSORS)."""
+def _our_keys(config: ModelConfig, kind: str, block: int = 0) -> list[str]:
+    """The state_dict keys of one layer of this model (layer kinds as in OUR_TENSORS; ``block`` 0-based)."""
     norm = ["weight", "bias"] if config.norm == "layernorm" else ["weight"]
     if kind == "embedding":
         return ["weight"]
@@ -211,22 +294,43 @@ def _our_keys(config: ModelConfig, kind: str) -> list[str]:
     keys += [f"attention.{which}_norm.{p}" for which in "qk" for p in norm] if config.qk_layernorm else []
     keys += ["attention.dense.weight"] + (["attention.dense.bias"] if config.other_linears_have_bias else [])
     keys += [f"ln2.{p}" for p in norm]
+    if config.moe is not None and config.moe.is_sparse(block + 1):
+        return keys + _moe_keys(config)
     for linear in (first, second):
         keys += [f"mlp.{linear}.weight"] + ([f"mlp.{linear}.bias"] if config.other_linears_have_bias else [])
     return keys
 
 
+def _moe_keys(config: ModelConfig) -> list[str]:
+    """The MLP keys of a sparse block (MoEMLP(MoEBlock): model/moe.py)."""
+    if config.moe.router != "softmax":  # the sigmoid_bias router's expert_bias has no HF tensor
+        raise ValueError(f"model.moe.router {config.moe.router!r} has no Hugging Face architecture here: only "
+                         f"\"softmax\" (Mixtral, Qwen2-MoE, Qwen3-MoE)")
+    keys = ["mlp.block.router.weight", "mlp.block.experts.gate_up", "mlp.block.experts.down"]
+    if config.moe.shared_expert_ffn_hidden_size:
+        keys += ["mlp.block.shared_expert.gate_up", "mlp.block.shared_expert.down", "mlp.block.shared_expert.gate"]
+    return keys
+
+
+def _hf_names(hf: str | tuple[str, ...], block: int, layout: str, config: ModelConfig) -> str | tuple[str, ...]:
+    """The table's name(s) with the block index filled in; per-expert names for each expert, expert-major."""
+    patterns = (hf,) if isinstance(hf, str) else hf
+    if layout in EXPERT_LAYOUTS:
+        return tuple(p.format(block, expert=e) for e in range(config.moe.num_experts) for p in patterns)
+    return hf.format(block) if isinstance(hf, str) else tuple(p.format(block) for p in patterns)
+
+
 def _layer_tensors(config: ModelConfig, architecture: Architecture, kind: str, block: int = 0
                    ) -> tuple[TensorMap, ...]:
     tensors = []
-    for key in _our_keys(config, kind):
+    for key in _our_keys(config, kind, block):
         if (kind, key) not in architecture.tensors:
             raise ValueError(f"{architecture.name} has no tensor for this model's {kind} {key}: the model's shape "
                              f"is not a {architecture.name}")
         hf, transform = architecture.tensors[kind, key]
-        names = hf.format(block) if isinstance(hf, str) else tuple(name.format(block) for name in hf)
         dims, partition_dim = OUR_TENSORS[kind, key]
         transposed, layout = TRANSFORMS[transform]
+        names = _hf_names(hf, block, layout, config)
         tensors.append(TensorMap(key, names, dims, partition_dim, transposed, layout))
     return tuple(tensors)
 
@@ -251,9 +355,14 @@ def layer_maps(config: ModelConfig, architecture: Architecture | None = None) ->
 
 def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int]:
     f = config.ffn_hidden_size
-    return {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
-            "attention": config.attention_size,
-            "positions": config.max_position_embeddings, "padded_vocab": config.padded_vocab_size(tensor_parallel_size)}
+    sizes = {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
+             "attention": config.attention_size, "positions": config.max_position_embeddings,
+             "padded_vocab": config.padded_vocab_size(tensor_parallel_size), "one": 1}
+    if config.moe is not None:
+        expert, shared = config.moe.moe_ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
+        sizes.update(experts=config.moe.num_experts, fe=expert, **{"2fe": 2 * expert}, fs=shared,
+                     **{"2fs": 2 * shared})
+    return sizes
 
 
 def full_shape(tensor: TensorMap, config: ModelConfig, tensor_parallel_size: int) -> tuple[int, ...]:
@@ -279,13 +388,18 @@ def hf_shape(tensor: TensorMap, config: ModelConfig) -> tuple[int, ...]:
 
 def hf_tensor_shapes(tensor: TensorMap, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each HF tensor of one of ours, by name, in the order of ``tensor.hf_names``."""
-    rest = full_shape(tensor, config, 1)[1:]  # () for a bias, (h,) for a weight
+    full = full_shape(tensor, config, 1)
+    if tensor.layout in EXPERT_LAYOUTS:  # [E, ...]: each expert's [...] slice, or its gate and up halves
+        rows, rest = full[1], full[2:]
+        each = (rows // 2, *rest) if EXPERT_LAYOUTS[tensor.layout] == "gate_up" else full[1:]
+        return {name: each for name in tensor.hf_names}
+    rest = full[1:]  # () for a bias, (h,) for a weight
     if tensor.layout == "grouped_qkv":
         d = config.head_dim
         sizes = (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d)
         return {name: (size, *rest) for name, size in zip(tensor.hf_names, sizes, strict=True)}
-    if tensor.layout == "gate_up":
-        return {name: (config.ffn_hidden_size, *rest) for name in tensor.hf_names}
+    if tensor.layout == "gate_up":  # the dense MLP's [2f, ...] or the shared expert's [2fs, ...]
+        return {name: (full[0] // 2, *rest) for name in tensor.hf_names}
     return {tensor.hf: hf_shape(tensor, config)}
 
 

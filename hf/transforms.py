@@ -8,6 +8,8 @@
     grouped qkv [(nh + 2 g) d, h], rows per KV group     q_proj [nh d, h], k_proj, v_proj [g d, h]      "grouped_qkv"
       [g, nh/g + 2, d]: the group's query heads, k, v    (query head j in group j // (nh/g))
     gate_up [2 f, h]: TP rank r holds [gate_r; up_r]     gate_proj, up_proj [f, h]                     "gate_up"
+    experts.gate_up [E, 2 F, h]: per expert as gate_up   per expert e: gate (w1), up (w3) [F, h]       "experts_gate_up"
+    experts.down [E, h, F], columns split over TP        per expert e: down (w2) [h, F]                "experts"
     everything else                                      the same tensor                               "copy"
 
 RoPE is HF's non-interleaved rotate_half here too, so q_proj and k_proj need no row permutation.
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf.tables import TensorMap, hf_shape
+from hf.tables import EXPERT_LAYOUTS, TensorMap, hf_shape
 from model.config import ModelConfig
 
 
@@ -47,6 +49,17 @@ def _grouped_qkv_to_hf(full: torch.Tensor, config: ModelConfig) -> tuple[torch.T
             grouped[:, per_group + 1].reshape(-1, *rest).clone())
 
 
+def _expert_slice(tensor: TensorMap) -> TensorMap:
+    """The map of one expert's slice [...] of an [E, ...] tensor (its first HF name(s) stand for any expert's)."""
+    layout = EXPERT_LAYOUTS[tensor.layout]
+    parts = 2 if layout == "gate_up" else 1
+    names = tensor.hf_names[:parts]
+    fields = {name: getattr(tensor, name) for name in TensorMap.__annotations__}
+    fields.update(hf=names[0] if parts == 1 else names, dims=tensor.dims[1:], layout=layout,
+                  partition_dim=None if tensor.partition_dim is None else tensor.partition_dim - 1)
+    return TensorMap(**fields)
+
+
 def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConfig
                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The TP shards of one tensor (rank order) -> the HF tensor (a tuple in ``tensor.hf_names`` order for a tensor
@@ -54,6 +67,10 @@ def merge_to_hf(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConf
 
     One allocation for a single HF tensor: each shard is copied straight into its place in the output.
     """
+    if tensor.layout in EXPERT_LAYOUTS:  # each expert's slices merged as one tensor of its layout, expert-major
+        one = _expert_slice(tensor)
+        merged = [merge_to_hf(one, [shard[expert] for shard in shards], config) for expert in range(len(shards[0]))]
+        return tuple(part for each in merged for part in ((each,) if torch.is_tensor(each) else each))
     if tensor.layout == "grouped_qkv":  # whole KV groups per rank: the full tensor is the concatenation
         return _grouped_qkv_to_hf(torch.cat(shards), config)
     if tensor.layout == "gate_up":  # rank r: [gate_r; up_r]
@@ -82,6 +99,12 @@ def split_from_hf(tensor: TensorMap, value: torch.Tensor | Sequence[torch.Tensor
                   tensor_parallel_size: int) -> list[torch.Tensor]:
     """An HF tensor (a sequence in ``tensor.hf_names`` order for a tensor fused here) -> this project's shard for
     each TP rank (rank order), each its own storage."""
+    if tensor.layout in EXPERT_LAYOUTS:  # each expert split as one tensor of its layout; rank r stacks its slices
+        one = _expert_slice(tensor)
+        parts = len(one.hf_names)
+        per_expert = [split_from_hf(one, value[start] if parts == 1 else value[start:start + parts], config,
+                                    tensor_parallel_size) for start in range(0, len(value), parts)]
+        return [torch.stack([shards[rank] for shards in per_expert]) for rank in range(tensor_parallel_size)]
     if tensor.layout == "gate_up":  # rank r: [gate rows of r; up rows of r]
         gate, up = (part.chunk(tensor_parallel_size) for part in value)
         return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]

@@ -6,7 +6,9 @@
 
 The architecture follows the model's shape: GPT2LMHeadModel for the GPT-2 shape; for the Llama family (RoPE,
 RMSNorm, SwiGLU) the one an imported checkpoint came from, else LlamaForCausalLM (bias "none" or "all") or
-Qwen2ForCausalLM (bias "qkv"); --architecture chooses among those that fit (e.g. MistralForCausalLM).
+Qwen2ForCausalLM (bias "qkv"); a Mixture-of-Experts model (model.moe) as MixtralForCausalLM, Qwen2MoeForCausalLM
+or Qwen3MoeForCausalLM, the one its shape fits; --architecture chooses among those that fit (e.g.
+MistralForCausalLM).
 The output loads offline with AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT):
 config.json, generation_config.json, model.safetensors (or model-0000N-of-0000M.safetensors and an index),
 tokenizer files (--tokenizer, else those an import carried in, else GPT-2's). The padded vocabulary rows are dropped
