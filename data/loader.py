@@ -11,7 +11,10 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
     ((tokens, position_ids), (labels, loss_mask))
     tokens, position_ids, labels: int64 (mb, seq_length); loss_mask: float32 (mb, seq_length)
     tokens = sample[:-1], labels = sample[1:], position_ids = arange(seq_length) on every row,
-    loss_mask = 1 everywhere, 0 where the label is the end-of-document token when eod_mask_loss is set.
+    loss_mask = 1 everywhere; with eod_mask_loss, 0 where the input token is the end-of-document token: the
+    prediction that crosses into the next document (Megatron-LM's _get_ltor_masks_and_position_ids,
+    ``loss_mask[data == eod_token] = 0``). The end-of-document token itself is still learnt as a label, so a model
+    trained with it learns to end a document.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class MicroBatchLoader:
         position_ids = torch.arange(tokens.shape[1], dtype=torch.int64).repeat(tokens.shape[0], 1)  # (mb, s)
         loss_mask = torch.ones(labels.shape, dtype=torch.float32)
         if self.eod_mask_loss:
-            loss_mask[labels == self.eod_token_id] = 0.0
+            loss_mask[tokens == self.eod_token_id] = 0.0
         return (tokens, position_ids), (labels, loss_mask)
 
     def state_dict(self) -> dict[str, int]:

@@ -104,17 +104,26 @@ def test_resume_on_a_real_gpt_dataset(tmp_path) -> None:
     assert torch.equal(next(resumed)[1][0], whole[3][1][0])
 
 
-def test_eod_mask_loss_zeroes_the_loss_where_the_label_is_eod() -> None:
+def test_eod_mask_loss_masks_what_megatron_lm_masks() -> None:
+    """Where the input token is the end of a document, the prediction that crosses into the next one: the positions
+    of Megatron-LM's own _get_ltor_masks_and_position_ids (megatron-core) on the same tokens. The end-of-document
+    token stays a label that is learnt."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
     class WithEod(Counting):
         def __getitem__(self, index: int) -> np.ndarray:
             sample = super().__getitem__(index)
             sample[[2, 5]] = 50256
             return sample
 
-    (_, _), (labels, loss_mask) = next(MicroBatchLoader(WithEod(10), 1, 0, 1, eod_mask_loss=True,
-                                                         eod_token_id=50256))
-    assert labels[0].tolist() == [1, 50256, 3, 4, 50256, 6]
-    assert loss_mask[0].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    (tokens, _), (labels, loss_mask) = next(MicroBatchLoader(WithEod(10), 1, 0, 1, eod_mask_loss=True,
+                                                              eod_token_id=50256))
+    assert tokens[0].tolist() == [0, 1, 50256, 3, 4, 50256] and labels[0].tolist() == [1, 50256, 3, 4, 50256, 6]
+    assert loss_mask[0].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    _, megatron, _ = _get_ltor_masks_and_position_ids(tokens[0], 50256, reset_position_ids=False,
+                                                      reset_attention_mask=False, eod_mask_loss=True,
+                                                      create_attention_mask=False)
+    assert torch.equal(loss_mask[0], megatron.float())
     (_, _), (_, unmasked) = next(MicroBatchLoader(WithEod(10), 1, 0, 1))
     assert unmasked[0].tolist() == [1.0] * SEQ_LENGTH
 

@@ -102,7 +102,9 @@ class DataConfig:
     cache_timeout_s: float = 1800.0
     """How long the other processes of a node wait for its first process to build the index arrays."""
     eod_mask_loss: bool = False
-    """Do not train on predicting the end-of-document token."""
+    """Do not train on the prediction that follows an end-of-document token (the first token of the next document,
+    which the previous one cannot predict), as Megatron-LM's --eod-mask-loss. Before, this masked where the label was
+    the end-of-document token, so that a model never learnt to end a document."""
     eod_token_id: int | None = None
     """The tokenizer's end-of-document id, used by eod_mask_loss. Default: the end-of-text token of the Hugging Face
     tokenizer the run starts from (carried by training.init_from's checkpoint, else in model.from_hf's directory),
