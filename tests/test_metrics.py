@@ -179,3 +179,12 @@ def test_hfu_and_mfu_by_mode(recompute, hfu_over_mfu):
     hardware = mfu(tflops_per_gpu(flops_per_iteration(config, B, 8), 60.0, 4480), 312.0)
     assert model == pytest.approx(MODEL_FLOPS / (60 * 4480 * 312e12), rel=1e-12) == pytest.approx(0.1514, abs=1e-4)
     assert hardware / model == pytest.approx(hfu_over_mfu, rel=1e-5)
+
+
+def test_the_console_line_shows_progress_and_the_eta_in_two_units():
+    from training.metrics_log import duration, format_record
+
+    assert [duration(s) for s in (42.4, 450, 7500, 273600)] == ["42s", "7m 30s", "2h 05m", "3d 04h"]
+    line = format_record("train", {"step": 3, "tokens_per_second": 1000.0, "tokens_per_second_per_gpu": 250.0,
+                                   "fraction_done": 0.123, "eta_seconds": 7500.0})
+    assert line.startswith("[train] step 3 | 1,000 tokens/s | 250 tokens/s/GPU | 12.3% done | ETA 2h 05m")

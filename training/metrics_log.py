@@ -22,13 +22,32 @@ CONSOLE_FIELDS = [
     ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),
     ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_load_imbalance", "expert load max/mean {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
+    ("tokens_per_second_per_gpu", "{:,.0f} tokens/s/GPU"), ("fraction_done", "{:.1%} done"),
+    ("eta_seconds", "ETA {}"),
     ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("hfu", "HFU {:.1%}"),
     ("peak_memory_gib", "peak {:.1f} GiB"),
 ]
 
 
+def duration(seconds: float) -> str:
+    """3d 4h, 2h 05m, 7m 30s, 42s: the two largest units.
+
+    >>> [duration(s) for s in (42.4, 450, 7500, 273600)]
+    ['42s', '7m 30s', '2h 05m', '3d 04h']
+    """
+    seconds = int(round(seconds))
+    days, hours, minutes = seconds // 86400, seconds // 3600 % 24, seconds // 60 % 60
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {seconds % 60:02d}s" if minutes else f"{seconds}s"
+
+
 def format_record(kind: str, record: dict[str, Any]) -> str:
-    parts = [fmt.format(record[key]) for key, fmt in CONSOLE_FIELDS if record.get(key) is not None]
+    shown = {**record, "eta_seconds": duration(record["eta_seconds"])} if record.get("eta_seconds") is not None \
+        else record
+    parts = [fmt.format(shown[key]) for key, fmt in CONSOLE_FIELDS if shown.get(key) is not None]
     if kind == "train" and record.get("mfu") is None:
         parts.append("MFU n/a (no GPU peak known)")
     if kind == "tasks":  # lm-eval metrics, "<task>/<metric>"

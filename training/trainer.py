@@ -268,6 +268,15 @@ class Trainer:
         return bool(interval) and self.state.step % interval == 0
 
     # -- metrics --------------------------------------------------------------------------------------------------
+    def _progress(self, tokens_per_second: float) -> dict[str, float]:
+        """Tokens per second (in total and per GPU), the share of schedule.train_tokens done, and the seconds left to
+        it at the rate of this log window (training.max_steps, when it stops the run earlier, is not counted)."""
+        target, done = self.config.schedule.train_tokens, self.state.consumed_tokens
+        return {"tokens_per_second": tokens_per_second,
+                "tokens_per_second_per_gpu": tokens_per_second / dist.get_world_size(),
+                "fraction_done": min(done / target, 1.0),
+                "eta_seconds": max(target - done, 0) / tokens_per_second if tokens_per_second > 0 else None}
+
     def log_step(self, loss: float, throughput: dict[str, float]) -> None:
         # hardware FLOPs (recompute included) -> TFLOP/s and HFU; model FLOPs (no recompute, PaLM's) -> MFU. Their
         # ratio does not depend on the batch (training/metrics.py)
@@ -286,7 +295,7 @@ class Trainer:
             "skipped_steps": int(self.engine.skipped_steps),
             "spikes": self.spike_detector.spikes,
             "samples_per_second": throughput["samples"] / throughput["seconds"],
-            "tokens_per_second": throughput["samples"] * self.seq_length / throughput["seconds"],
+            **self._progress(throughput["samples"] * self.seq_length / throughput["seconds"]),
             "tflops_per_gpu": achieved,
             "model_tflops_per_gpu": model_achieved,
             "hfu": mfu(achieved, self.peak_tflops),
