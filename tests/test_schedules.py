@@ -133,3 +133,19 @@ def test_plot_schedule_prints_values_at_tokens(tmp_path):
     assert rows == [["0", "0.000000e+00", "32"], ["1000000000", "5.000000e-05", "160"],
                     ["12000000000", "4.988388e-05", "1920"], ["341000000000", "5.000000e-06", "1920"]]
     assert (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_the_eta_counts_the_ramps_future_batches():
+    """Worked by hand: batches 4 -> 12 in steps of 4 over 1,536 tokens (one increment per 768), 32-token samples, a
+    10,000-token target. From 0: 6 steps of 4 (768 tokens), 3 of 8 (to 1,536), then 12s until 10,000 is passed:
+    1,536 + 22 x 384 = 9,984 < 10,000, so 23. At micro-batch 2 on 2 stages a step is (m + 1) slots: 6 x 3 + 3 x 5 +
+    23 x 7 = 194; the current batch's pace (4 a step) would have counted (10,000 / 128 = 78.1 steps) x 3 = 234."""
+    from training.schedules import BatchRamp, future_batches, pipeline_slots
+
+    ramp = BatchRamp(start=4, increment=4, end=12, ramp_tokens=1536)
+    assert future_batches(ramp, 0, 10_000, 32) == [(4, 6), (8, 3), (12, 23)]
+    assert sum(steps * pipeline_slots(batch // 2, 2) for batch, steps in future_batches(ramp, 0, 10_000, 32)) == 194
+    assert future_batches(ramp, 700, 10_000, 32) == [(4, 1), (8, 3), (12, 22)]  # 828, then 3 x 256 to 1,596
+    assert future_batches(ramp, 9_990, 10_000, 32) == [(12, 1)] and future_batches(ramp, 10_000, 10_000, 32) == []
+    no_ramp = BatchRamp(start=12, increment=12, end=12, ramp_tokens=0.0)
+    assert future_batches(no_ramp, 0, 10_000, 32) == [(12, 27)]  # ceil(10,000 / 384)

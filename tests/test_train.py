@@ -32,12 +32,18 @@ def test_ramp_changes_micro_batches_and_loss_falls(straight_run):
     # step 6 ends at 1024 tokens, the end of warmup: it trains at the peak; the first step at 128/1024 of it
     assert lrs[0] == pytest.approx(3e-3 * 128 / 1024) and lrs[5] == pytest.approx(3e-3) and lrs[-1] < lrs[5]
     # the log's progress, against schedule.train_tokens (1e6 in tests/launch.py): the share done, the rate in total
-    # and per GPU (4 processes), the seconds left at that rate
+    # and per GPU (4 processes), and the ETA: the ramp's future batches, each step at (its micro-batches + PP - 1)
+    # times the seconds of one such slot in this step (log_interval 1: the window is the step)
+    from training.schedules import BatchRamp, future_batches
+
+    ramp = BatchRamp(start=4, increment=4, end=16, ramp_tokens=1536)
     for record in read_metrics(straight_run / "metrics.jsonl"):
         assert record["fraction_done"] == record["consumed_tokens"] / 1e6
         assert record["tokens_per_second_per_gpu"] == pytest.approx(record["tokens_per_second"] / 4, rel=1e-12)
-        assert record["eta_seconds"] == pytest.approx((1e6 - record["consumed_tokens"]) / record["tokens_per_second"],
-                                                      rel=1e-12)
+        seconds = record["global_batch"] * 32 / record["tokens_per_second"]
+        per_slot = seconds / (record["micro_batches"] + 1)  # PP 2
+        slots = sum(steps * (batch // 2 + 1) for batch, steps in future_batches(ramp, record["consumed_tokens"], 1e6, 32))
+        assert record["eta_seconds"] == pytest.approx(per_slot * slots, rel=1e-9)
 
 
 @pytest.mark.distributed

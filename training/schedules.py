@@ -111,3 +111,27 @@ class BatchRamp:
                 f"{micro_batch_size} x {data_parallel_size} = {unit}: {shown}. Choose schedule.batch.start and "
                 f"increment as multiples of {unit} (e.g. {unit * math.ceil(self.start / unit)}), or another "
                 f"data-parallel size")
+
+
+def future_batches(ramp: BatchRamp, consumed_tokens: float, train_tokens: float, seq_length: int
+                   ) -> list[tuple[int, int]]:
+    """The global batches still to run, as (batch, steps) runs: the ramp's real sizes step by step while it climbs,
+    then the full batch for as many steps as reach ``train_tokens`` (the last step may pass it, as the trainer's)."""
+    runs: list[tuple[int, int]] = []
+    while consumed_tokens < train_tokens:
+        batch = ramp(consumed_tokens)
+        if batch == ramp.end:  # no more increments: the rest in one run
+            runs.append((batch, math.ceil((train_tokens - consumed_tokens) / (batch * seq_length))))
+            break
+        if runs and runs[-1][0] == batch:
+            runs[-1] = (batch, runs[-1][1] + 1)
+        else:
+            runs.append((batch, 1))
+        consumed_tokens += batch * seq_length
+    return runs
+
+
+def pipeline_slots(micro_batches: int, pipeline_parallel_size: int) -> int:
+    """How long a 1F1B step of ``micro_batches`` takes, in one micro-batch's forward and backward on one stage: the
+    micro-batches and the pipeline's fill and drain (p - 1)."""
+    return micro_batches + pipeline_parallel_size - 1

@@ -40,6 +40,7 @@ from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
+from training.schedules import future_batches, pipeline_slots
 from training.spikes import in_ignored_warmup
 from training.stability import StabilityMonitor
 from training.task_evaluation import TaskEvaluation
@@ -140,7 +141,8 @@ class Trainer:
                     self._committed(self.checkpointer.poll())  # the checkpoint in flight, once every writer is done
                 window.add(self.state, flops_per_iteration(self.config.model, self.state.global_batch,
                                                            self.ctx.tensor_parallel_size,
-                                                           pipeline_parallel_size=self.ctx.pipeline_parallel_size))
+                                                           pipeline_parallel_size=self.ctx.pipeline_parallel_size),
+                           pipeline_slots(self.engine.gradient_accumulation_steps(), self.ctx.pipeline_parallel_size))
                 if self.state.step % self.config.training.log_interval == 0:
                     self.log_step(loss, window.take())
                 if skipped:
@@ -268,14 +270,27 @@ class Trainer:
         return bool(interval) and self.state.step % interval == 0
 
     # -- metrics --------------------------------------------------------------------------------------------------
-    def _progress(self, tokens_per_second: float) -> dict[str, float]:
+    def _progress(self, throughput: dict[str, float]) -> dict[str, float]:
         """Tokens per second (in total and per GPU), the share of schedule.train_tokens done, and the seconds left to
-        it at the rate of this log window (training.max_steps, when it stops the run earlier, is not counted)."""
+        it (training.max_steps, when it stops the run earlier, is not counted).
+
+        The ETA counts the batches still to come, the ramp's real sizes step by step (training/schedules.py
+        future_batches), each at the time of its 1F1B step: the log window's seconds per pipeline slot (one
+        micro-batch's forward and backward on a stage) times its micro-batches plus the pipeline's fill and drain. A
+        ramp's small first batches are thus not taken for the pace of the whole run. With the noise-scale schedule,
+        whose batches are not known ahead, the window's tokens per second."""
         target, done = self.config.schedule.train_tokens, self.state.consumed_tokens
+        tokens_per_second = throughput["samples"] * self.seq_length / throughput["seconds"]
+        if self.noise_scale_schedule is None:
+            per_micro_batch = self.config.micro_batch_size * self.ctx.data_parallel_size
+            slots = sum(steps * pipeline_slots(batch // per_micro_batch, self.ctx.pipeline_parallel_size)
+                        for batch, steps in future_batches(self.batch_schedule, done, target, self.seq_length))
+            eta = throughput["seconds"] / throughput["slots"] * slots
+        else:
+            eta = max(target - done, 0) / tokens_per_second
         return {"tokens_per_second": tokens_per_second,
                 "tokens_per_second_per_gpu": tokens_per_second / dist.get_world_size(),
-                "fraction_done": min(done / target, 1.0),
-                "eta_seconds": max(target - done, 0) / tokens_per_second if tokens_per_second > 0 else None}
+                "fraction_done": min(done / target, 1.0), "eta_seconds": eta}
 
     def log_step(self, loss: float, throughput: dict[str, float]) -> None:
         # hardware FLOPs (recompute included) -> TFLOP/s and HFU; model FLOPs (no recompute, PaLM's) -> MFU. Their
@@ -295,7 +310,7 @@ class Trainer:
             "skipped_steps": int(self.engine.skipped_steps),
             "spikes": self.spike_detector.spikes,
             "samples_per_second": throughput["samples"] / throughput["seconds"],
-            **self._progress(throughput["samples"] * self.seq_length / throughput["seconds"]),
+            **self._progress(throughput),
             "tflops_per_gpu": achieved,
             "model_tflops_per_gpu": model_achieved,
             "hfu": mfu(achieved, self.peak_tflops),
@@ -437,17 +452,19 @@ class Trainer:
 
 
 class _Window:
-    """Samples, FLOPs and wall time since the last log line."""
+    """Samples, FLOPs, pipeline slots (training/schedules.py pipeline_slots) and wall time since the last log line."""
 
     def __init__(self) -> None:
-        self.start, self.samples, self.flops = time.perf_counter(), 0, 0.0
+        self.start, self.samples, self.flops, self.slots = time.perf_counter(), 0, 0.0, 0
 
-    def add(self, state: TrainState, flops: float) -> None:
+    def add(self, state: TrainState, flops: float, slots: int) -> None:
         self.samples += state.global_batch
         self.flops += flops
+        self.slots += slots
 
     def take(self) -> dict[str, float]:
         now = time.perf_counter()
-        out = {"seconds": max(now - self.start, 1e-9), "samples": self.samples, "flops": self.flops}
-        self.start, self.samples, self.flops = now, 0, 0.0
+        out = {"seconds": max(now - self.start, 1e-9), "samples": self.samples, "flops": self.flops,
+               "slots": self.slots}
+        self.start, self.samples, self.flops, self.slots = now, 0, 0.0, 0
         return out
