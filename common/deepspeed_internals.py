@@ -29,8 +29,10 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                     _phase1_buffer overridden
     is_dualpipev_engine           deepspeed.runtime.pipe.dualpipev.DualPipeVEngine   which schedule and which checkpoint layout      training/engine.py,
                                                                                                                                        training/checkpoint.py
-    run_before_instruction        PipelineEngine._INSTRUCTION_MAP (an instance       the noise scale reads the gradients before      training/noise_scale.py
-                                    map; _exec_schedule looks it up on self)           ReduceGrads averages them over DP
+    run_before_instruction        PipelineEngine._INSTRUCTION_MAP (an instance       the noise scale reads the gradients before      training/noise_scale.py,
+                                    map; _exec_schedule looks it up on self)           ReduceGrads averages them over DP; the MoE      training/engine.py
+                                                                                       layers learn the micro-batch count
+    wrap_instructions             the same map, every handler wrapped                each instruction a profiler range               training/profiling.py
     accumulated_gradients         BF16_Optimizer.fp32_groups_gradients, bf16_groups; the gradient of one replica, before the DP      training/noise_scale.py
                                     DeepSpeedZeroOptimizer.bit16_groups,               reduction
                                     get_gradient_for_reduction, partition_gradients
@@ -178,6 +180,18 @@ def run_before_instruction(engine: Any, instruction: str, hook: Callable[[], Non
 
     handlers[kind] = hook_then_execute
     engine._INSTRUCTION_MAP = handlers
+
+
+def wrap_instructions(engine: Any, wrap: Callable[[str, Callable[[], Any]], Any]) -> None:
+    """Run every instruction of the pipeline engine as ``wrap(name, execute)``: ``name`` its class name (ForwardPass,
+    SendActivation, ...), ``execute()`` DeepSpeed's handler. Through the same instance ``_INSTRUCTION_MAP`` as
+    run_before_instruction (either may be installed first)."""
+    handlers = dict(engine._INSTRUCTION_MAP)
+
+    def wrapped(kind: type, execute: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda engine, **kwargs: wrap(kind.__name__, lambda: execute(engine, **kwargs))
+
+    engine._INSTRUCTION_MAP = {kind: wrapped(kind, execute) for kind, execute in handlers.items()}
 
 
 def wrap_loss(engine: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

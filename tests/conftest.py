@@ -3,6 +3,7 @@ recipe's run config and its parameter counts (the planner tests)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,15 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def straight_run(corpus, tmp_path_factory):
-    """12 steps without interruption (checkpoints at 4, 8, 12): the reference every fault test must reproduce."""
+    """12 steps without interruption (checkpoints at 4, 8, 12): the reference every fault test must reproduce. Ranks 0
+    and 3 profile steps 5 and 6 (training.profile), which must change no number of it."""
     save = tmp_path_factory.mktemp("straight") / "checkpoints"
-    run_training(corpus, save)
+    result = run_training(corpus, save, extra=[f"training.profile={json.dumps(PROFILE, separators=(',', ':'))}"])
+    (save.parent / "output.txt").write_text(result.stdout + result.stderr)
     return save
+
+
+PROFILE = {"steps": [5, 6], "ranks": [0, 3]}
 
 
 @pytest.fixture(scope="session")

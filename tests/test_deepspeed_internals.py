@@ -152,6 +152,12 @@ def test_instruction_hook_runs_before_the_handler_through_the_instance_map():
     PipelineEngine._exec_schedule(engine, OneStep(1, 1, 0))
     require(calls == ["hook", ("reduce", {})], "PipelineEngine._exec_schedule",
             f"no longer dispatches through self._INSTRUCTION_MAP (calls: {calls})")
+    calls.clear()
+    door.wrap_instructions(engine, lambda name, execute: (calls.append(f"enter {name}"), execute(),
+                                                          calls.append(f"leave {name}")))
+    PipelineEngine._exec_schedule(engine, OneStep(1, 1, 0))
+    require(calls == ["enter ReduceGrads", "hook", ("reduce", {}), "leave ReduceGrads"],
+            "PipelineEngine._exec_schedule", f"wrapped handlers are not what it runs (calls: {calls})")
 
 
 def test_loss_function_is_read_from_the_module_at_every_forward():

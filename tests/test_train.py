@@ -10,6 +10,7 @@ SIGKILL, crashes) are in tests/test_faults.py.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -44,6 +45,33 @@ def test_ramp_changes_micro_batches_and_loss_falls(straight_run):
         per_slot = seconds / (record["micro_batches"] + 1)  # PP 2
         slots = sum(steps * (batch // 2 + 1) for batch, steps in future_batches(ramp, record["consumed_tokens"], 1e6, 32))
         assert record["eta_seconds"] == pytest.approx(per_slot * slots, rel=1e-9)
+
+
+@pytest.mark.distributed
+def test_the_chosen_ranks_trace_the_chosen_steps_with_the_pipeline_instructions(straight_run):
+    """training.profile {"steps": [5, 6], "ranks": [0, 3]} (tests/conftest.py): one trace per chosen rank, in the
+    profiler's Chrome/TensorBoard format, whose ranges are the instructions each stage ran (the first stage loads
+    micro-batches and sends activations, the last receives them and computes the loss), once per micro-batch of the
+    two steps (steps 5 and 6 of RAMP: 8 sequences, 4 micro-batches each). Nothing else moved: the fault and resume
+    tests compare their runs with this one, bitwise."""
+    from tests.conftest import PROFILE
+
+    traces = sorted((straight_run / "profile").glob("*.pt.trace.json"))
+    assert [path.name.split(".")[0] for path in traces] == [f"rank{rank}" for rank in PROFILE["ranks"]]
+    output = (straight_run.parent / "output.txt").read_text()
+    assert f"[profile] rank 0: steps 5-6 traced in {straight_run / 'profile'}" in output
+    counts = []
+    for path in traces:
+        events = json.loads(path.read_text())["traceEvents"]
+        names = [event.get("name") for event in events if event.get("ph") == "X"]
+        counts.append({name: names.count(name) for name in ("LoadMicroBatch", "ForwardPass", "BackwardPass",
+                                                            "SendActivation", "RecvActivation", "ReduceGrads",
+                                                            "OptimizerStep")})
+    micro_batches = (RAMP[4] + RAMP[5]) // 2
+    assert counts[0] == {"LoadMicroBatch": micro_batches, "ForwardPass": micro_batches, "BackwardPass": micro_batches,
+                         "SendActivation": micro_batches, "RecvActivation": 0, "ReduceGrads": 2, "OptimizerStep": 2}
+    assert counts[1] == {"LoadMicroBatch": micro_batches, "ForwardPass": micro_batches, "BackwardPass": micro_batches,
+                         "SendActivation": 0, "RecvActivation": micro_batches, "ReduceGrads": 2, "OptimizerStep": 2}
 
 
 @pytest.mark.distributed

@@ -184,6 +184,9 @@ class TrainingConfig:
     """Every N steps, measure the stability monitors (training/stability.py): the largest attention logit of each
     block on one fixed micro-batch, the mean and smallest log Z of the step's tokens, and each parameter group's
     update / weight RMS ratio. 0: never."""
+    profile: dict[str, Any] | None = None
+    """torch profiler traces (training/profiling.py): {"steps": [first, last], "ranks": [0]} (ranks: global ranks
+    or "all"), written to <training.save>/profile/, each pipeline instruction a range. None: off."""
     eval_tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks run on the live model (training/task_evaluation.py): the shipped ones
     (evaluation/tasks/: alice_lastword, alice_choice, alice_pages), eval_tasks_include_path's, or lm-eval's own with
@@ -230,9 +233,18 @@ class TrainingConfig:
         if self.eval_tasks_interval and not self.eval_tasks:
             raise ValueError("training.eval_tasks_interval is set but training.eval_tasks is empty: name the tasks, "
                              "e.g. [\"alice_lastword\", \"alice_choice\"]")
+        if self.profile is not None and not self.save:
+            raise ValueError("training.profile writes its traces beside the checkpoints: set training.save")
+        self.profile_config()
         guard = self.spike_guard_config()
         if guard.rollback and not self.save:
             raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")
+
+    def profile_config(self):
+        """training.profile as a ProfileConfig (None: off)."""
+        from training.profiling import ProfileConfig
+
+        return None if self.profile is None else _build(ProfileConfig, "training.profile", self.profile)
 
     def spike_guard_config(self):
         from training.guards import SpikeGuardConfig

@@ -40,6 +40,7 @@ from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
+from training.profiling import StepProfiler
 from training.schedules import future_batches, pipeline_slots
 from training.spikes import in_ignored_warmup
 from training.stability import StabilityMonitor
@@ -119,6 +120,7 @@ class Trainer:
         self.stability = StabilityMonitor(engine, ctx, config.model.num_layers, config.training.stability_interval,
                                           config.training.z_loss, lambda: next(iter(self.make_train_loader(0))))
         self.moe = MoEMonitor(engine.module, config.model, ctx)
+        self.profiler = StepProfiler(config.training.profile_config(), engine, dist.get_rank(), config.training.save)
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
         self.spike_detector = self.spike_guard.config.detector()
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
@@ -191,10 +193,15 @@ class Trainer:
         ignore_spikes = in_ignored_warmup(self.state.consumed_tokens, self.config.schedule.warmup_tokens)
         self.spike_guard.begin_step(self.engine.gradient_accumulation_steps(), ignore=ignore_spikes)
         self.stability.before_step(self.state.step + 1)
+        self.profiler.before_step(self.state.step + 1)
         try:
             loss = self.engine.train_batch(data_iter=loader).item()
         finally:
             self.spike_guard.end_step()  # evaluation, which runs the same loss function, finds the guard inactive
+        traced = self.profiler.after_step(self.state.step + 1)
+        if traced is not None:
+            print(f"[profile] rank {dist.get_rank()}: steps {self.profiler.config.steps[0]}-{self.state.step + 1} "
+                  f"traced in {traced}", flush=True)
         self.noise_scale.after_step()  # collective: every rank, every step
         self.state.step += 1
         self.state.global_batch = batch
