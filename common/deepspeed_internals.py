@@ -60,6 +60,21 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                     (base64 JSON {host: [devices]}), --node_rank,
                                     --master_addr, --master_port
     deepspeed_logger              deepspeed.utils.logging.logger                     its handler is repointed at stderr              tools/streams.py
+    create_expert_parallel_groups deepspeed.utils.groups.                            the EP and EDP groups, made by every rank       model/parallel.py
+                                    _create_expert_data_and_model_parallel,            before the model (EP > 1), on DeepSpeed's
+                                    _get_expert_parallel_group, mpu (set, restored)    own layout its optimizers reduce over
+    expert_parallel_ranks         groups._get_expert_parallel_group_ranks,           the contract test checks them on the topology   tests
+                                    _get_expert_data_parallel_group_ranks,
+                                    _get_expert_model_parallel_world_size
+    tag_expert_parameter,         param.allreduce = False, param.group_name          DeepSpeed's is_moe_param: EDP reduction         model/moe.py,
+      expert_group_of                                                                                                                  training/engine.py
+    expert_parallel_marker        deepspeed.moe.layer.MoE subclassed, __init__       turns engine.has_moe_layers on for a stage      model/gpt.py
+                                    skipped; num_experts, set_deepspeed_parallelism    with experts (EP > 1)
+    expert_param_group            param-group keys 'moe' and 'name'                  the experts' group, kept as given               training/engine.py
+    pad_expert_norm_collectives   ZeRO: scaled_global_norm (wrapped),                a stage without experts runs the expert norm's  training/engine.py
+                                    model_parallel_group; BF16_Optimizer:              cross-stage collectives with zeros (PP > 1
+                                    has_moe_layers, expert_gradients (set),            would hang otherwise)
+                                    get_grads_for_norm (wrapped)
 
 Every function imports DeepSpeed itself, when called: importing this module reads only the installed version
 (package metadata), so the floor stays cheap for the packages that never touch DeepSpeed.
@@ -87,7 +102,8 @@ PUBLIC_TOP_LEVEL = ("initialize", "init_distributed", "__version__")
 
 INTERNAL_ATTRIBUTES = ("forward_funcs", "loss_fn", "checkpoint_engine", "zipfile_serialization",
                        "fp32_groups_gradients", "bf16_groups", "bit16_groups", "get_gradient_for_reduction",
-                       "partition_gradients", "tied_modules", "__compatible_ops__")
+                       "partition_gradients", "tied_modules", "__compatible_ops__", "has_moe_layers",
+                       "scaled_global_norm", "get_grads_for_norm", "expert_gradients")
 """DeepSpeed attributes without a leading underscore that its docs do not name: read or written only here."""
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
@@ -321,3 +337,143 @@ def deepspeed_logger() -> Any:
     from deepspeed.utils.logging import logger
 
     return logger
+
+
+# ----------------------------------------------------------------------------------------- expert parallelism
+
+
+def expert_group_name(expert_parallel_size: int) -> str:
+    """The key DeepSpeed files an expert-parallel size's groups under (``groups._EXPERT_*_GROUP``), which the expert
+    parameters' ``group_name`` and their param group's ``name`` must equal."""
+    return f"ep_size_{expert_parallel_size}"
+
+
+class _ParallelSizes:
+    """The getters ``_create_expert_data_and_model_parallel`` reads from an mpu (TP, PP; the DP size through the
+    module-global ``groups.mpu``), before the PipelineParallelGrid exists."""
+
+    def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int) -> None:
+        self.sizes = (tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.sizes[0]
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.sizes[1]
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.sizes[2]
+
+
+def create_expert_parallel_groups(expert_parallel_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
+                                  data_parallel_size: int) -> Any:
+    """Collective (every rank, before the model is built): DeepSpeed's expert-parallel and expert-data-parallel
+    groups of this layout (``groups._create_expert_data_and_model_parallel``: EP groups are EP consecutive data
+    ranks with the same TP and PP coordinates; EDP groups the ranks holding the same experts), and this rank's EP
+    group. It also sets DeepSpeed's expert tensor-parallel size to TP, which its BF16 norm needs for TP-sharded
+    experts. ``groups.mpu`` is set to the sizes for the call only (its DP-size check reads it; unset, it would clone
+    the world group); the engine sets it to its grid."""
+    from deepspeed.utils import groups
+
+    sizes = _ParallelSizes(tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
+    previous, groups.mpu = groups.mpu, sizes
+    try:
+        groups._create_expert_data_and_model_parallel(expert_parallel_size, mpu=sizes)
+    finally:
+        groups.mpu = previous
+    return groups._get_expert_parallel_group(expert_group_name(expert_parallel_size))
+
+
+def expert_parallel_ranks(expert_parallel_size: int) -> tuple[list[int], list[int], int]:
+    """This rank's EP group ranks, its EDP group ranks and DeepSpeed's expert tensor-parallel size."""
+    from deepspeed.utils import groups
+
+    name = expert_group_name(expert_parallel_size)
+    return (list(groups._get_expert_parallel_group_ranks(name)), list(groups._get_expert_data_parallel_group_ranks(name)),
+            groups._get_expert_model_parallel_world_size())
+
+
+def tag_expert_parameter(parameter: Any, expert_parallel_size: int) -> None:
+    """DeepSpeed's mark of an expert parameter (``moe.utils.is_moe_param``: ``allreduce`` False), reduced over the
+    EDP group named ``group_name`` by its optimizers and left out of the DP all-reduce."""
+    parameter.allreduce = False
+    parameter.group_name = expert_group_name(expert_parallel_size)
+
+
+def expert_parallel_marker(num_experts: int, expert_parallel_size: int) -> Any:
+    """A parameter-less ``deepspeed.moe.layer.MoE`` (its ``__init__`` skipped): registered on a stage that holds
+    expert parameters, it turns the engine's ``has_moe_layers`` on (an isinstance check), which routes the expert
+    gradients to the EDP reduction and the expert norm. ``set_deepspeed_parallelism`` (called by the engine on it)
+    does nothing: the groups exist already (create_expert_parallel_groups)."""
+    from deepspeed.moe.layer import MoE
+    from torch.nn import Module
+
+    class ExpertParallelMarker(MoE):
+        def __init__(self) -> None:
+            Module.__init__(self)  # not MoE's: it would build DeepSpeed's own experts and gate
+            self.num_experts, self.ep_size = num_experts, expert_parallel_size
+            self.num_local_experts = num_experts // expert_parallel_size
+            self.expert_group_name = expert_group_name(expert_parallel_size)
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass
+
+        def forward(self, *args: Any) -> Any:
+            raise RuntimeError("the expert-parallel marker only flags a stage for DeepSpeed; it does not run")
+
+    return ExpertParallelMarker()
+
+
+def expert_param_group(params: list[Any], expert_parallel_size: int, weight_decay: float) -> dict[str, Any]:
+    """The experts' param group as DeepSpeed's optimizers read it (``'moe'`` True, ``'name'`` the EP group's name):
+    ``configure_moe_param_groups`` keeps groups that already have ``'moe'`` as they are."""
+    return {"name": expert_group_name(expert_parallel_size), "moe": True, "params": params,
+            "weight_decay": weight_decay}
+
+
+def pad_expert_norm_collectives(engine: Any, expert_parallel_size: int, missing_groups: int) -> None:
+    """On a pipeline stage without experts, issue the cross-stage collectives that the stages with experts run for
+    their expert group's norm, with zeros, so that every stage runs the same sequence (otherwise PP > 1 hangs):
+    ZeRO-1 (``scaled_global_norm``): ``missing_groups`` more SUMs over ``model_parallel_group`` (one per param group),
+    added to the norm; BF16_Optimizer (``step``): ``has_moe_layers`` on, with ``get_grads_for_norm`` giving the
+    expert group one zero, so that ``get_norm_with_moe_layers`` runs the same model-parallel and EP SUMs (and
+    ``expert_gradients`` empty, which ``get_grads_for_reduction`` then returns)."""
+    import torch
+    import torch.distributed as torch_dist
+
+    optimizer = engine.optimizer
+    name = expert_group_name(expert_parallel_size)
+    if hasattr(optimizer, "bf16_groups"):  # BF16_Optimizer
+        own = optimizer.get_grads_for_norm
+
+        def with_zero_expert_group(for_clipping: bool = False) -> Any:
+            if for_clipping:
+                return own(for_clipping=True)
+            dense, experts = own()
+            return dense, {**experts, name: [torch.zeros(1, device=engine.device)]}
+
+        optimizer.has_moe_layers = True
+        optimizer.expert_gradients = {}  # set only with experts; get_grads_for_reduction reads it once on
+        optimizer.get_grads_for_norm = with_zero_expert_group
+        return
+    if missing_groups <= 0:
+        return
+    scaled = optimizer.scaled_global_norm
+
+    def with_missing_groups(norm_type: int = 2) -> Any:
+        norm = scaled(norm_type)
+        squares = torch.zeros((), dtype=torch.float32, device=norm.device)
+        for _ in range(missing_groups):
+            part = torch.zeros((), dtype=torch.float32, device=norm.device)
+            torch_dist.all_reduce(part, group=optimizer.model_parallel_group)
+            squares = squares + part
+        return torch.sqrt(norm.float() ** 2 + squares).to(norm.dtype)
+
+    optimizer.scaled_global_norm = with_missing_groups
+
+
+def expert_group_of(parameter: Any) -> str | None:
+    """The EP group name DeepSpeed reduces ``parameter`` over (tag_expert_parameter), None for a dense one."""
+    if getattr(parameter, "allreduce", True) is False:
+        return parameter.group_name
+    return None

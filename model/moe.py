@@ -17,7 +17,11 @@ TP rank r and EP rank p, which owns the experts [p E_l, (p + 1) E_l):
     shared_expert.down          [h, F_s/R]        columns r, as SwiGLUMLP's down
     shared_expert.gate          [1, h]            replicated; gradient a partial sum over TP
 
-Every expert parameter carries ``expert_parallel = True``. Each expert draws its weights from seeds of its global
+Every expert parameter carries ``expert_parallel = True``; at EP > 1 also DeepSpeed's expert tags (``allreduce``
+False, ``group_name`` "ep_size_P", common/deepspeed_internals.py tag_expert_parameter), so that its optimizers
+reduce the expert gradients over the expert-data-parallel group (the ranks holding the same experts, divided by the
+full DP size: each expert's gradient already sums its EP group's tokens through the all-to-all's backward) and count
+them once in the gradient norm. Each expert draws its weights from seeds of its global
 index (model/init.py), so any TP x EP split holds exactly the slices of the unsplit block.
 
 The dispatch of one forward, T = b s tokens of this EP rank (the whole sequence, also with sequence parallelism),
@@ -65,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import deepspeed_internals as ds_internals
 from model.config import MoEConfig
 from model.init import normal_sharded_, parameter_seed
 from model.layers import mark_partial_over_tensor_parallel, mark_tensor_parallel
@@ -317,6 +322,9 @@ class MoEBlock(nn.Module):
         self.experts = Experts(moe, hidden_size, ctx, first=group_rank(expert_parallel_group) * self.local_experts,
                                count=self.local_experts, init_std=init_std, output_init_std=output_init_std,
                                seed=seed, layer_number=layer_number)
+        if self.expert_parallel_size > 1:  # DeepSpeed reduces them over the expert-data-parallel group, not DP
+            for parameter in self.experts.parameters():
+                ds_internals.tag_expert_parameter(parameter, self.expert_parallel_size)
         self.shared_expert = None
         if moe.shared_expert_ffn_hidden_size:
             self.shared_expert = SharedExpert(moe.shared_expert_ffn_hidden_size, hidden_size, ctx, init_std=init_std,

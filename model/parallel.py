@@ -36,6 +36,10 @@ class ParallelContext:
     topology: Any = None
     sequence_parallel: bool = False
     """Activations outside the TP matmuls hold seq_length / TP positions on each TP rank (model/layers.py)."""
+    expert_parallel_size: int = 1
+    expert_parallel_group: Any = None
+    """EP > 1: DeepSpeed's expert-parallel group of this rank (EP consecutive data ranks with this rank's TP and PP
+    coordinates), which every MoEBlock dispatches over; None at EP 1 (experts replicated over DP)."""
 
     def __post_init__(self) -> None:
         for axis in ("tensor", "pipeline", "data"):
@@ -146,7 +150,9 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
     ``new_group`` call is an ncclCommSplit of the world communicator that all ranks join (DeepSpeed binds the device
     at init_process_group), so a group nobody uses is start-up time on every rank: at TP 8 x PP 35 x DP 16 (4,480
     GPUs) the data-parallel groups built here before were 280 such splits. The TP groups have the ranks of the grid's
-    slice groups (560 more there); tests/test_process_groups.py counts every call.
+    slice groups (560 more there); tests/test_process_groups.py counts every call. With
+    ``parallelism.expert_parallel_size`` EP > 1, DeepSpeed's expert-parallel and expert-data-parallel groups are made
+    here too (world / EP groups of each kind; every rank makes all of them), before any stage is built.
     """
     world_size = dist.get_world_size()
     dp_size = parallel.data_parallel_size(world_size)
@@ -155,11 +161,16 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
     rank = dist.get_rank()
     tp_group = _my_group(topology.get_axis_comm_lists("model"), rank)
     coord = topology.get_coord(rank)
+    expert_parallel_size, expert_group = parallel.expert_parallel_size, None
+    if expert_parallel_size > 1:  # collective: every rank, also on stages without sparse blocks
+        expert_group = ds_internals.create_expert_parallel_groups(
+            expert_parallel_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp_size)
     return ParallelContext(tensor_parallel_size=parallel.tensor_parallel_size, tensor_parallel_rank=coord.model,
                            pipeline_parallel_size=parallel.pipeline_parallel_size, pipeline_parallel_rank=coord.pipe,
                            data_parallel_size=dp_size, data_parallel_rank=coord.data,
                            tensor_parallel_group=tp_group, topology=topology,
-                           sequence_parallel=parallel.sequence_parallel and parallel.tensor_parallel_size > 1)
+                           sequence_parallel=parallel.sequence_parallel and parallel.tensor_parallel_size > 1,
+                           expert_parallel_size=expert_parallel_size, expert_parallel_group=expert_group)
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> Any:

@@ -14,6 +14,9 @@ attribute that moved or changed. All single-process; the touches' behaviour insi
     replace_checkpoint_engine                        tests/test_checkpoint_engine.py, tests/test_resume.py
     launcher_command                                 tests/test_sweep.py (a launched run)
     the optimizer wrapper's buffers                  tests/test_planner.py (memory parts against allocations)
+    create_expert_parallel_groups, tag_expert_*,     tests/test_model_parallel.py (EP 2 equals EP 1 on ZeRO-1 and
+      expert_parallel_marker, expert_param_group,      BF16_Optimizer, PP 2 with a stage without experts)
+      pad_expert_norm_collectives
 """
 
 from __future__ import annotations

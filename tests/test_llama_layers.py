@@ -387,7 +387,7 @@ def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
 
     from deepspeed.checkpoint import constants as uc
 
-    from model.gpt import universal_checkpoint_info
+    from model.checkpoint_files import universal_checkpoint_info
 
     config = preset(name, **overrides)
     names = _deepspeed_parameter_names(config)

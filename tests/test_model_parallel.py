@@ -72,15 +72,18 @@ def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, prec
     """Train each variant (model fields, plus "sequence_parallel") from scratch in these processes, one after the
     other: one launch serves several layouts of the same world."""
     from model.gpt import TransformerLayer
+    from model.moe import sparse_layers
 
     results = []
     for variant in variants:
         fields = dict(variant)
         sequence_parallel = fields.pop("sequence_parallel", False)
         z_loss = fields.pop("z_loss", 0.0)
+        expert_parallel_size = fields.pop("expert_parallel_size", 1)
         config = model_config(precision=precision, **fields)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                  pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel)
+                                  pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
+                                  expert_parallel_size=expert_parallel_size)
         engine, ctx = build_engine(config, parallel, deepspeed_config(precision), SEED, z_loss)
         blocks = [module for module in engine.module.modules() if isinstance(module, TransformerLayer)]
         sent = []  # the shape of what this stage's last block outputs: on stage 0, the tensor sent to stage 1
@@ -92,7 +95,9 @@ def _train_pipeline(tensor_parallel_size: int, pipeline_parallel_size: int, prec
             norms.append(float(engine.get_global_grad_norm()))
         results.append({"losses": losses, "norms": norms, "micro_batches": engine.gradient_accumulation_steps(),
                         "stage": ctx.pipeline_parallel_rank, "stage_output": sent[0],
-                        "recompute": [block.recompute for block in blocks]})
+                        "recompute": [block.recompute for block in blocks],
+                        "local_experts": [layer.block.local_experts for _, layer in sparse_layers(engine.module)],
+                        "has_moe_layers": bool(engine.has_moe_layers)})
         del engine
     return results
 
@@ -156,11 +161,15 @@ STABILITY = {"qk_layernorm": True, "z_loss": 1e-2}
 MOE = {"mlp": "swiglu", "moe": {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 32, "aux_loss_coeff": 0.05,
                                 "router_z_loss_coeff": 0.01, "shared_expert_ffn_hidden_size": 32,
                                 "first_dense_layers": 1}}
+# Expert parallelism: EP 2 splits the 4 experts over DP 2 (an all-to-all dispatch, the expert gradients reduced over
+# the expert-data-parallel group by DeepSpeed's optimizer); the first two blocks dense, so stage 0 of PP 2 has no
+# expert and runs the expert norm's cross-stage collectives with zeros. It equals the unsplit model (EP 1).
+MOE_EP2 = {**MOE, "moe": {**MOE["moe"], "first_dense_layers": 2}, "expert_parallel_size": 2}
 LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selective"},
               {**SEQUENCE_PARALLEL, "recompute": "full"}, {**SEQUENCE_PARALLEL, "recompute": "full",
                                                           "recompute_num_layers": 1},
               STABILITY, {**SEQUENCE_PARALLEL, **STABILITY, "recompute": "selective"},
-              MOE, {**SEQUENCE_PARALLEL, **MOE, "recompute": "full"}]
+              MOE, {**SEQUENCE_PARALLEL, **MOE, "recompute": "full"}, MOE_EP2]
 STABILITY_FIELDS = ("qk_layernorm", "z_loss", "mlp", "moe")
 
 
@@ -198,6 +207,10 @@ def test_fp32_split_equals_unsplit(tp, pp, dp, variants, reference):
             layers = variant.get("recompute_num_layers")
             assert result["recompute"] == [recompute if layers is None or i < layers else "none"
                                            for i in range(MODEL["num_layers"] // pp)]
+            if variant.get("expert_parallel_size", 1) > 1:  # stage 0 dense; stage 1 holds E / EP experts per block
+                experts = variant["moe"]["num_experts"] // variant["expert_parallel_size"]
+                assert result["local_experts"] == ([] if result["stage"] == 0 else [experts, experts])
+                assert result["has_moe_layers"] == (result["stage"] == 1)  # DeepSpeed's EDP reduction, EP norm
             if result["stage"] == 0:  # the tensor sent to the next stage: this TP rank's sequence shard with SP
                 sequence = MODEL["seq_length"] // (tp if variant.get("sequence_parallel") else 1)
                 assert result["stage_output"] == (MICRO_BATCH, sequence, MODEL["hidden_size"])
@@ -206,10 +219,15 @@ def test_fp32_split_equals_unsplit(tp, pp, dp, variants, reference):
 @pytest.mark.distributed
 def test_bf16_trains_near_fp32(reference):
     """The GPT, and the Mixture-of-Experts model of MOE (its router in fp32 on bf16 activations), each against its
-    fp32 reference. The MoE run measured: losses within 3.6e-3, gradient norms within 0.22% (step 1) and 0.14%."""
-    variants = [{"recompute": "full", **SEQUENCE_PARALLEL}, {"recompute": "full", **SEQUENCE_PARALLEL, **MOE}]
+    fp32 reference. The MoE run measured: losses within 3.6e-3, gradient norms within 0.22% (step 1) and 0.14%.
+    The MoE model at EP 2 (MOE_EP2: BF16_Optimizer's expert groups, a stage without experts) against its EP 1 fp32
+    reference."""
+    variants = [{"recompute": "full", **SEQUENCE_PARALLEL}, {"recompute": "full", **SEQUENCE_PARALLEL, **MOE},
+                MOE_EP2]
     per_rank = run_distributed(8, _train_pipeline, 2, 2, "bf16", variants)
-    for index, expected in enumerate([reference, train_reference(model_config(**MOE))]):
+    moe_ep2 = {key: value for key, value in MOE_EP2.items() if key != "expert_parallel_size"}
+    references = [reference, train_reference(model_config(**MOE)), train_reference(model_config(**moe_ep2))]
+    for index, expected in enumerate(references):
         _check_bf16([rank[index] for rank in per_rank], expected)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common import deepspeed_internals as ds_internals
@@ -17,10 +18,19 @@ from model.random import default_stream_seed
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Megatron's rule: decay the matrices (and embeddings); never the biases and LayerNorm parameters (1-D)."""
-    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """Megatron's rule: decay the matrices (and embeddings); never the biases and LayerNorm parameters (1-D).
+
+    Every group is named (DeepSpeed's MoE handling keys groups by name). With expert parallelism (EP > 1) the
+    experts, tagged by model/moe.py, form one more group, last, as DeepSpeed's optimizers read it (decayed, named
+    "ep_size_EP", ``moe`` true: kept as given, not re-split by DeepSpeed)."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    dense = [p for p in trained if ds_internals.expert_group_of(p) is None]
+    groups = [{"name": "decay", "params": [p for p in dense if p.ndim >= 2], "weight_decay": weight_decay},
+              {"name": "no_decay", "params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
+    names = {ds_internals.expert_group_of(p) for p in trained} - {None}
+    for name in sorted(names):
+        experts = [p for p in trained if ds_internals.expert_group_of(p) == name]
+        groups.append(ds_internals.expert_param_group(experts, int(name.removeprefix("ep_size_")), weight_decay))
     return [group for group in groups if group["params"]]
 
 
@@ -70,8 +80,10 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss, schedule)
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     ds_internals.skip_muon_kernels(str(deepspeed_config.get("optimizer", {}).get("type", "")))
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=weight_decay_groups(module, weight_decay),
-                                           config=deepspeed_config)
+    param_groups = weight_decay_groups(module, weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups, config=deepspeed_config)
+    if context.expert_parallel_size > 1:
+        _pad_stages_without_experts(engine, context, param_groups)
     if schedule == "dualpipev":
         ds_internals.run_short_batches_as(engine, _dualpipev_or_vshape)
     sparse = sparse_layers(engine.module)
@@ -80,6 +92,21 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         ds_internals.run_before_instruction(engine, "ForwardPass",
                                             lambda: set_micro_batches(sparse, engine.micro_batches))
     return engine, context
+
+
+def _pad_stages_without_experts(engine: Any, context: ParallelContext, param_groups: list[dict[str, Any]]) -> None:
+    """Collective over the pipeline. The gradient norm of a stage with experts runs cross-stage all-reduces for its
+    expert group that a stage without them would not: the stages agree on the largest group count (MAX over the
+    pipeline group), and a stage without experts runs the missing ones with zeros
+    (common/deepspeed_internals.py, pad_expert_norm_collectives)."""
+    if context.pipeline_parallel_size == 1:
+        return
+    has_experts = any(group.get("moe") for group in param_groups)
+    count = torch.tensor([len(param_groups)], dtype=torch.int64, device=engine.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=engine.grid.get_pipe_parallel_group())
+    if not has_experts:
+        ds_internals.pad_expert_norm_collectives(engine, context.expert_parallel_size,
+                                                 int(count.item()) - len(param_groups))
 
 
 def pipeline_schedule_of(engine: Any, micro_batches: int | None = None) -> str:

@@ -160,13 +160,18 @@ class NoiseScaleMonitor:
         self.engine, self.ctx = engine, ctx
         self.estimator = GradientNoiseScale(beta)
         self.info = info or _print_on_rank_zero
-        self.enabled = ctx.data_parallel_size > 1
+        self.enabled = ctx.data_parallel_size > 1 and ctx.expert_parallel_size == 1
         self.last: dict[str, float | None] = {"noise_scale": None}
         self._local_squared: torch.Tensor | None = None
-        if not self.enabled:
+        if ctx.data_parallel_size == 1:
             self.info("gradient noise scale: not measured. It compares one replica's gradient (B_small = "
                       "micro-batch x accumulation steps) with the data-parallel mean (B_big = B_small x DP); "
                       "with data parallelism 1 the two batches are the same, B_small == B_big")
+        elif not self.enabled:
+            self.info(f"gradient noise scale: not measured. It needs one replica's gradient; with expert "
+                      f"parallelism {ctx.expert_parallel_size} an expert's gradient before the reduction already sums "
+                      f"the tokens of its EP group (the all-to-all's backward), so no rank holds one replica's")
+        if not self.enabled:
             return
         accumulated_gradients(engine.optimizer)  # refuse an unsupported optimizer now, not at the first step
         self._install_hook()

@@ -14,16 +14,40 @@ from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
 from training.trainer import Trainer, TrainState
 
-EXPERT_PARALLEL_NOT_YET = (
-    "parallelism.expert_parallel_size > 1 is not built yet (the experts split over data-parallel ranks, their "
-    "gradients reduced over the expert-data-parallel group by DeepSpeed's optimizer); set it to 1: the experts are then "
-    "replicated over the data-parallel ranks")
+
+def _expert_parallel_refusals(config: RunConfig) -> list[str]:
+    """What expert parallelism (EP > 1) does not support yet, one line each."""
+    ep = config.parallelism.expert_parallel_size
+    zero = config.deepspeed.get("zero_optimization", {})
+    optimizer = str(config.deepspeed.get("optimizer", {}).get("type", ""))
+    refusals = []
+    if zero.get("stage", 0) != 1:
+        refusals.append(f"parallelism.expert_parallel_size {ep} needs zero_optimization.stage 1 (ZeRO-1 in fp32, "
+                        f"BF16_Optimizer in bf16): without ZeRO, DeepSpeed's fp32 clipping averages the norms of "
+                        f"ranks holding different experts (DeepSpeed #8475); stage 2 is not checked")
+    if zero.get("reduce_scatter", True) is not True:
+        refusals.append(f"parallelism.expert_parallel_size {ep} needs zero_optimization.reduce_scatter true "
+                        f"(DeepSpeed's ZeRO-1 asserts it with experts)")
+    if "muon" in optimizer.lower():
+        refusals.append(f"parallelism.expert_parallel_size {ep} does not run with Muon (DeepSpeed's optimizers "
+                        f"refuse Muon with experts): use Adam")
+    if config.training.save:
+        refusals.append(f"parallelism.expert_parallel_size {ep} cannot save checkpoints yet (each EP rank's experts "
+                        f"would need their own layer files): remove training.save, or set "
+                        f"parallelism.expert_parallel_size 1")
+    if config.schedule.batch.get("type") == "noise_scale":
+        refusals.append(f"parallelism.expert_parallel_size {ep} cannot drive schedule.batch by the noise scale: an "
+                        f"expert's gradient before the reduction already sums its EP group's tokens, so it is not "
+                        f"one replica's gradient; use a \"ramp\" batch schedule")
+    return refusals
 
 
 def check_buildable(config: RunConfig) -> None:
     """Refuse what the config can describe but the pipeline does not build yet, before data or a process group."""
     if config.model.moe is not None and config.parallelism.expert_parallel_size > 1:
-        raise ValueError(EXPERT_PARALLEL_NOT_YET)
+        refusals = _expert_parallel_refusals(config)
+        if refusals:
+            raise ValueError("; ".join(refusals))
 
 
 def resume_point(config: RunConfig) -> ResumePoint | None:

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from common.device import accelerator_device
-from model.checkpoint_files import tag_for_step
+from model.checkpoint_files import tag_for_step, universal_checkpoint_info
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
-from model.gpt import universal_checkpoint_info
 from model.parallel import ParallelContext
 from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
 from training import checkpoint
