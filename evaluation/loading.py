@@ -7,12 +7,15 @@ written at whatever TP the run had:
 
     same TP            each layer's file of this TP rank, as saved
     another TP         each layer's TP shards merged into the whole tensor and split for this TP rank, by the
-                       Hugging Face tables (hf/tables.py, hf/transforms.py: merge_to_hf then split_from_hf), the
-                       path the export and import take; copies and slices only, so the weights are exact
+                       layer maps (hf/tables.py layer_maps: every tensor of the files, parameters and persistent
+                       buffers such as the sigmoid_bias router's expert_bias) and hf/transforms.py merge_shards /
+                       split_shards, in our own layout: no Hugging Face name is needed, so any shape loads, one that
+                       no HF architecture fits too; copies and slices only, so the weights are exact
     another PP or DP   nothing to convert: a stage reads the layer files of its own layers
 
 Only weights are read (no optimizer state), one layer at a time, memory-mapped. The layout comes from the
-checkpoint's run config unless the caller gives another.
+checkpoint's run config unless the caller gives another. The routers' expert_bias stays fp32 in a bf16 or fp16
+stage, as in training (model/moe.py keep_router_biases_fp32), so that the experts are chosen as there.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from evaluation.pipeline import Pipeline, Stage
 from hf.checkpoint_reader import Checkpoint, open_checkpoint, read_layer
 from hf.tables import PRECISION_DTYPES, LayerMap, layer_maps
 from hf.tokenizer import TOKENIZER_DIRECTORY, gpt2_tokenizer, load_tokenizer
-from hf.transforms import merge_to_hf, split_from_hf
+from hf.transforms import merge_shards, split_shards
 from model.config import GPT2_VOCAB_SIZE, ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
+from model.moe import keep_router_biases_fp32, sparse_layers
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 
 
@@ -51,8 +55,8 @@ def layer_state(checkpoint: Checkpoint, layer: LayerMap, model: ModelConfig, ten
     shards = read_layer(checkpoint, layer)
     state = {}
     for tensor in layer.tensors:
-        whole = merge_to_hf(tensor, [shard[tensor.ours] for shard in shards], checkpoint.model)
-        state[tensor.ours] = split_from_hf(tensor, whole, model, tensor_parallel_size)[tensor_parallel_rank]
+        whole = merge_shards(tensor, [shard[tensor.ours] for shard in shards], checkpoint.model)
+        state[tensor.ours] = split_shards(tensor, whole, model, tensor_parallel_size)[tensor_parallel_rank]
     return state
 
 
@@ -85,9 +89,10 @@ def load_stage(checkpoint_dir: str | Path, tag: str | None = None, parallel: Par
     init_distributed()
     ctx = build_parallel_context(parallel)
     module = build_pipeline_model(model, ctx, seed=0, partition_method=parallel.partition_method)
+    module.to(dtype or PRECISION_DTYPES[model.precision]).eval()
+    keep_router_biases_fp32(sparse_layers(module))  # before loading: the saved fp32 bias is copied in exactly
     with torch.no_grad():
         _load_stage_weights(module, checkpoint, model, ctx)
-    module.to(dtype or PRECISION_DTYPES[model.precision]).eval()
     return Stage(ds_internals.stage_forward_functions(module), module, ctx, model), checkpoint
 
 

@@ -24,6 +24,12 @@ with save_pretrained and the original checkpoints have; in memory it fuses them 
 and ``experts.down_proj``, which it also loads but does not write. ``layer_maps`` lists every saved layer of a model
 with its tensors, shapes and TP split; the layer index is the XX of layer_XX files: 0 word embedding, 1 positions,
 2..L+1 blocks, L+2 final norm, L+3 the untied head.
+
+The layer maps describe every tensor of our layer files, parameters and persistent buffers, for any shape: a shape
+no architecture fits (a mixed shape, the "sigmoid_bias" router) still has them, its tensors without HF names, so that
+reading a checkpoint, resharding it and evaluating it work (evaluation/loading.py). What needs HF names (the export,
+the import, ``hf_shapes``, ``hf_config``) resolves an architecture first and refuses such a shape in one line
+(``resolve_architecture``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.dtypes import torch_dtypes
-from model.config import ModelConfig
+from model.config import ModelConfig, set_option
 
 HF_ARCHITECTURE = "GPT2LMHeadModel"  # the default architecture of this project's default (GPT-2) shape
 PRECISION_DTYPES = torch_dtypes()
@@ -41,7 +47,10 @@ for the code that imports it from hf."""
 
 
 # Our tensors, by (layer kind, state_dict key): unsharded dims (symbols of ``_dimensions``) and the dimension split
-# over TP ranks (None: replicated). Which of them a model has follows from its config (``_our_keys``).
+# over TP ranks (None: replicated). Which of them a model has follows from its config (``_our_keys``), whether or not
+# an HF architecture has a name for them (the sigmoid_bias router's expert_bias has none). The dims also say how the
+# shards join (hf/transforms.py merge_shards): a split "padded_vocab" carries padding rows for the TP size, a split
+# "2f" / "2fe" / "2fs" holds each rank's [gate_r; up_r], any other split dimension is cut in rank order.
 OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("embedding", "weight"): (("padded_vocab", "h"), 0),
     ("positions", "weight"): (("positions", "h"), None),
@@ -64,6 +73,7 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("block", "mlp.down.weight"): (("h", "f"), 1),
     ("block", "mlp.down.bias"): (("h",), None),
     ("block", "mlp.block.router.weight"): (("experts", "h"), None),
+    ("block", "mlp.block.router.expert_bias"): (("experts",), None),  # a persistent buffer ("sigmoid_bias")
     ("block", "mlp.block.experts.gate_up"): (("experts", "2fe", "h"), 1),
     ("block", "mlp.block.experts.down"): (("experts", "h", "fe"), 2),
     ("block", "mlp.block.shared_expert.gate_up"): (("2fs", "h"), 0),
@@ -221,6 +231,12 @@ def _no_architecture_message(config: ModelConfig) -> str:
     if config.moe is not None:
         experts = ", ".join(f"model.moe.{key} = {getattr(config.moe, key)!r}" for key in (
             "router", "norm_topk_prob", "shared_expert_ffn_hidden_size", "sparse_every", "first_dense_layers"))
+        if config.moe.router != "softmax":  # the one field no architecture has: say so first, with the fix
+            return (f"this Mixture-of-Experts model's shape ({shape}, {experts}) is no Hugging Face architecture "
+                    f"converted here: model.moe.router {config.moe.router!r} has none (its expert_bias buffer has no "
+                    f"HF tensor; Mixtral, Qwen2-MoE and Qwen3-MoE route by softmax): evaluate or generate from the "
+                    f"checkpoint itself (tools/evaluate.py, tools/generate.py, any TP x PP), or train with "
+                    f"{set_option('model.moe.router', 'softmax')} for a model that exports")
         return (f"this Mixture-of-Experts model's shape ({shape}, {experts}) is no Hugging Face architecture "
                 f"converted here: all need router \"softmax\"; Mixtral bias none, no qk_layernorm, no shared expert, "
                 f"norm_topk_prob true and every block sparse; Qwen2-MoE a shared expert, bias qkv or none, no "
@@ -249,9 +265,10 @@ class TensorMap(NamedTuple):
 
     ours: str
     """Key in the layer's state_dict (one layer_XX file)."""
-    hf: str | tuple[str, ...]
+    hf: str | tuple[str, ...] | None
     """Key in the HF state_dict; several for a tensor fused here ("grouped_qkv": q, k, v; "gate_up": gate, up;
-    "experts": one per expert; "experts_gate_up": gate and up of expert 0, of expert 1, ...)."""
+    "experts": one per expert; "experts_gate_up": gate and up of expert 0, of expert 1, ...). None: the layer map of
+    a shape no HF architecture fits (the tensor is ours only; ``transposed`` and ``layout`` are then the defaults)."""
     dims: tuple[str, ...]
     """Unsharded shape here, in the symbols of ``_dimensions`` (h, qkv, f, 2f, d, attention, positions,
     padded_vocab; experts, fe, 2fe, fs, 2fs, one)."""
@@ -267,7 +284,7 @@ class TensorMap(NamedTuple):
 
     @property
     def hf_names(self) -> tuple[str, ...]:
-        return (self.hf,) if isinstance(self.hf, str) else self.hf
+        return () if self.hf is None else (self.hf,) if isinstance(self.hf, str) else self.hf
 
 
 class LayerMap(NamedTuple):
@@ -302,11 +319,10 @@ def _our_keys(config: ModelConfig, kind: str, block: int = 0) -> list[str]:
 
 
 def _moe_keys(config: ModelConfig) -> list[str]:
-    """The MLP keys of a sparse block (MoEMLP(MoEBlock): model/moe.py)."""
-    if config.moe.router != "softmax":  # the sigmoid_bias router's expert_bias has no HF tensor
-        raise ValueError(f"model.moe.router {config.moe.router!r} has no Hugging Face architecture here: only "
-                         f"\"softmax\" (Mixtral, Qwen2-MoE, Qwen3-MoE)")
-    keys = ["mlp.block.router.weight", "mlp.block.experts.gate_up", "mlp.block.experts.down"]
+    """The MLP keys of a sparse block (MoEMLP(MoEBlock): model/moe.py), its persistent buffers included."""
+    keys = ["mlp.block.router.weight"]
+    keys += ["mlp.block.router.expert_bias"] if config.moe.router == "sigmoid_bias" else []
+    keys += ["mlp.block.experts.gate_up", "mlp.block.experts.down"]
     if config.moe.shared_expert_ffn_hidden_size:
         keys += ["mlp.block.shared_expert.gate_up", "mlp.block.shared_expert.down", "mlp.block.shared_expert.gate"]
     return keys
@@ -320,15 +336,19 @@ def _hf_names(hf: str | tuple[str, ...], block: int, layout: str, config: ModelC
     return hf.format(block) if isinstance(hf, str) else tuple(p.format(block) for p in patterns)
 
 
-def _layer_tensors(config: ModelConfig, architecture: Architecture, kind: str, block: int = 0
+def _layer_tensors(config: ModelConfig, architecture: Architecture | None, kind: str, block: int = 0
                    ) -> tuple[TensorMap, ...]:
+    """Every tensor of one layer; with the architecture's HF names, or none (``architecture`` None)."""
     tensors = []
     for key in _our_keys(config, kind, block):
+        dims, partition_dim = OUR_TENSORS[kind, key]
+        if architecture is None:
+            tensors.append(TensorMap(key, None, dims, partition_dim))
+            continue
         if (kind, key) not in architecture.tensors:
             raise ValueError(f"{architecture.name} has no tensor for this model's {kind} {key}: the model's shape "
                              f"is not a {architecture.name}")
         hf, transform = architecture.tensors[kind, key]
-        dims, partition_dim = OUR_TENSORS[kind, key]
         transposed, layout = TRANSFORMS[transform]
         names = _hf_names(hf, block, layout, config)
         tensors.append(TensorMap(key, names, dims, partition_dim, transposed, layout))
@@ -336,11 +356,15 @@ def _layer_tensors(config: ModelConfig, architecture: Architecture, kind: str, b
 
 
 def layer_maps(config: ModelConfig, architecture: Architecture | None = None) -> list[LayerMap]:
-    """Every saved layer, in pipeline order (the tied output head is the embedding, layer 0: not saved again).
+    """Every saved layer, in pipeline order (the tied output head is the embedding, layer 0: not saved again), with
+    every tensor of its files (parameters and persistent buffers), for any shape.
 
-    ``architecture`` defaults to the first that fits the model's shape (the tensor names of Llama, Mistral and
-    Qwen2 are the same)."""
-    architecture = architecture or resolve_architecture(config)
+    ``architecture`` (checked: its table must name every tensor) gives the HF names; it defaults to the first that
+    fits the model's shape (the tensor names of Llama, Mistral and Qwen2 are the same), and where none fits the
+    tensors have no HF names (``TensorMap.hf`` None): what needs them resolves the architecture first."""
+    if architecture is None:
+        fits = compatible_architectures(config)
+        architecture = fits[0] if fits else None
     last = config.num_layers + 2
     maps = [LayerMap(0, "word embedding", _layer_tensors(config, architecture, "embedding")),
             LayerMap(1, "position embedding" if config.position_embedding == "learned" else "embedding dropout",
@@ -404,7 +428,9 @@ def hf_tensor_shapes(tensor: TensorMap, config: ModelConfig) -> dict[str, tuple[
 
 
 def hf_shapes(config: ModelConfig, architecture: Architecture | None = None) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the exported model, in the order the export writes them."""
+    """Every tensor of the exported model, in the order the export writes them (a shape no HF architecture fits is
+    refused: ``resolve_architecture``)."""
+    architecture = architecture or resolve_architecture(config)
     return {name: shape for layer in layer_maps(config, architecture) for t in layer.tensors
             for name, shape in hf_tensor_shapes(t, config).items()}
 

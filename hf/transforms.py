@@ -16,6 +16,10 @@ RoPE is HF's non-interleaved rotate_half here too, so q_proj and k_proj need no 
 
 The padded vocabulary rows (ids >= vocab_size, whose logits this project forces to -inf) are dropped on export: the
 HF model has exactly the tokenizer's vocabulary and gives the same distribution. On import they are zeros.
+
+Between two TP sizes of this project no HF tensor is needed: ``merge_shards`` joins a tensor's shards into the whole
+tensor in our own layout and ``split_shards`` cuts it again, from the layer maps' dims alone, so they serve every
+tensor of our layer files, those with no HF name too (the sigmoid_bias router's expert_bias).
 """
 
 from __future__ import annotations
@@ -123,3 +127,41 @@ def split_from_hf(tensor: TensorMap, value: torch.Tensor | Sequence[torch.Tensor
     return [chunk.clone(memory_format=torch.contiguous_format)
             for chunk in full.chunk(tensor_parallel_size, dim=tensor.partition_dim)]
 
+
+# -- our tensors between TP sizes, no HF in between ---------------------------------------------------------------
+
+def _is_halves(tensor: TensorMap) -> bool:
+    """Split on a "2f" / "2fe" / "2fs" dimension: each TP rank holds [gate_r; up_r] (hf/tables.py OUR_TENSORS)."""
+    return tensor.partition_dim is not None and tensor.dims[tensor.partition_dim].startswith("2")
+
+
+def merge_shards(tensor: TensorMap, shards: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """The TP shards of one of our tensors (rank order) -> the whole tensor in our layout, whatever TP wrote it:
+    the vocabulary padding cut off, a gate_up's rows [gate; up]; rows per head or per KV group stay whole heads and
+    groups, so they join in rank order. Replicated (a norm, a router, its expert_bias): rank 0's copy. Needs no HF
+    name: any shape, ``split_shards`` its inverse."""
+    dim = tensor.partition_dim
+    if dim is None:
+        return shards[0]
+    if _is_halves(tensor):
+        halves = [shard.chunk(2, dim) for shard in shards]
+        return torch.cat([torch.cat([pair[part] for pair in halves], dim) for part in (0, 1)], dim)
+    whole = torch.cat(shards, dim)
+    return whole.narrow(dim, 0, config.vocab_size) if tensor.dims[dim] == "padded_vocab" else whole
+
+
+def split_shards(tensor: TensorMap, whole: torch.Tensor, config: ModelConfig,
+                 tensor_parallel_size: int) -> list[torch.Tensor]:
+    """The whole tensor (``merge_shards``) -> each TP rank's shard (rank order), each its own storage; the
+    vocabulary padded with zeros for this TP size (padded ids' logits are -inf anyway)."""
+    dim, contiguous = tensor.partition_dim, torch.contiguous_format
+    if dim is None:
+        return [whole.clone(memory_format=contiguous) for _ in range(tensor_parallel_size)]
+    if _is_halves(tensor):
+        gate, up = (half.chunk(tensor_parallel_size, dim) for half in whole.chunk(2, dim))
+        return [torch.cat([g, u], dim) for g, u in zip(gate, up, strict=True)]
+    if tensor.dims[dim] == "padded_vocab":
+        shape = list(whole.shape)
+        shape[dim] = config.padded_vocab_size(tensor_parallel_size) - whole.shape[dim]
+        whole = torch.cat([whole, whole.new_zeros(shape)], dim)
+    return [chunk.clone(memory_format=contiguous) for chunk in whole.chunk(tensor_parallel_size, dim)]

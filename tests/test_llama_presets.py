@@ -117,12 +117,12 @@ def test_llama_tiny_preset_fits_the_cpu_splits():
 
 
 def test_hugging_face_conversion_maps_the_presets_and_refuses_a_mixed_shape():
-    from hf.tables import layer_maps
+    from hf.tables import layer_maps, resolve_architecture
 
     assert len(layer_maps(preset("tiny"))) == 4 + 3  # embeddings, blocks, final norm
     assert len(layer_maps(preset("llama-tiny"))) == 4 + 4  # embedding, empty positions, blocks, norm, untied head
     with pytest.raises(ValueError, match="is no Hugging Face architecture"):
-        layer_maps(preset("llama-tiny", norm="layernorm"))  # rope with LayerNorm: neither GPT-2 nor Llama
+        resolve_architecture(preset("llama-tiny", norm="layernorm"))  # rope with LayerNorm: neither GPT-2 nor Llama
 
 
 def test_planner_plans_llama3_70b_on_64_h100_nodes():
