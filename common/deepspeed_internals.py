@@ -75,6 +75,17 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                     model_parallel_group; BF16_Optimizer:              cross-stage collectives with zeros (PP > 1
                                     has_moe_layers, expert_gradients (set),            would hang otherwise)
                                     get_grads_for_norm (wrapped)
+    own_expert_checkpoints        engine.has_moe_layers (off during save and load)   its MoE save writes no layer files and its MoE  training/checkpoint.py
+                                                                                       load wants expp_rank files: the experts are
+                                                                                       saved in this project's files
+    refresh_master_weights        optimizer.refresh_fp32_params                      fp32 masters re-read from weights restored      training/checkpoint.py
+                                                                                       after a module-only load (the experts)
+    convert_to_universal          ds_to_universal: DeepSpeedCheckpoint, its ZeRO-1/2 the experts' fragments, spread over the       training/universal_
+                                    steps (_check_for_required_state,                  expert-data-parallel groups, are merged by us   conversion.py
+                                    _create_checkpoint_paths, _group_per_tp_shapes,    between its extraction and its merge; its
+                                    _aggregate_autoep_zero12_metadata,                 optimizer_state.pt's param groups padded (its
+                                    _extract_zero_shard_files, _merge_tp_slice_files,  loader zips them with the run's)
+                                    _save_optimizer_state)
 
 Every function imports DeepSpeed itself, when called: importing this module reads only the installed version
 (package metadata), so the floor stays cheap for the packages that never touch DeepSpeed.
@@ -83,10 +94,11 @@ Every function imports DeepSpeed itself, when called: importing this module read
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -103,7 +115,8 @@ PUBLIC_TOP_LEVEL = ("initialize", "init_distributed", "__version__")
 INTERNAL_ATTRIBUTES = ("forward_funcs", "loss_fn", "checkpoint_engine", "zipfile_serialization",
                        "fp32_groups_gradients", "bf16_groups", "bit16_groups", "get_gradient_for_reduction",
                        "partition_gradients", "tied_modules", "__compatible_ops__", "has_moe_layers",
-                       "scaled_global_norm", "get_grads_for_norm", "expert_gradients")
+                       "scaled_global_norm", "get_grads_for_norm", "expert_gradients", "DeepSpeedCheckpoint",
+                       "refresh_fp32_params")
 """DeepSpeed attributes without a leading underscore that its docs do not name: read or written only here."""
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
@@ -477,3 +490,73 @@ def expert_group_of(parameter: Any) -> str | None:
     if getattr(parameter, "allreduce", True) is False:
         return parameter.group_name
     return None
+
+
+@contextlib.contextmanager
+def own_expert_checkpoints(engine: Any) -> Iterator[Any]:
+    """``with own_expert_checkpoints(engine): engine.save_checkpoint(...)`` (or load_checkpoint): the engine's
+    ``has_moe_layers`` off for the call, so that it saves and loads as for a dense model (layer files, mp_rank and
+    ZeRO files) and not through its MoE path (expp_rank optimizer files, no layer files, DeepSpeed's own MoE
+    layers only). The ZeRO optimizer keeps its own flag: it still shards and restores the experts over their
+    expert-data-parallel groups. The experts' weights are this project's files (training/expert_checkpoint.py)."""
+    was = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield engine
+    finally:
+        engine.has_moe_layers = was
+
+
+def refresh_master_weights(engine: Any) -> None:
+    """The optimizer's fp32 master weights copied again from the model's, after weights were set outside a
+    DeepSpeed load (which refreshes them itself when it loads the module only)."""
+    engine.optimizer.refresh_fp32_params()
+
+
+def convert_to_universal(input_folder: str, output_folder: str, workers: int,
+                         merge_own: Callable[[str, str, dict[str, Any], int, int], set[str]]) -> None:
+    """DeepSpeed's universal-checkpoint converter (ds_to_universal.main's ZeRO-1/2 path, strict) with one step of
+    ours between its extraction of every rank's ZeRO fragments (``<output>/tmp/<name>/<tp>/<state>.<dp>``) and its
+    merge over TP: ``merge_own(temp_dir, zero_dir, slice_shapes, dp_degree, tp_degree)`` writes the universal files
+    of the parameters it takes (``<zero_dir>/<name>/<state>.pt``) and returns their names, which DeepSpeed's merge
+    then leaves out. ``slice_shapes``: {name: [shape of each TP rank's slice]}.
+
+    Its optimizer_state.pt keeps the checkpoint's param groups, which DeepSpeed's universal loader zips with the
+    run's (load_hp_checkpoint_state_from_checkpoint_dir): a run with more groups (the experts' own at EP > 1, from a
+    checkpoint written at EP 1) would leave its last groups unloaded, silently. Nothing but their number is read, so
+    the list is padded with copies of its last group to ``PADDED_PARAM_GROUPS``."""
+    import argparse
+    import os
+    import shutil
+
+    import torch
+    from deepspeed.checkpoint import constants
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    args = argparse.Namespace(input_folder=input_folder, output_folder=output_folder, num_extract_workers=workers,
+                              num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
+                              inject_missing_state=False)
+    checkpoint = converter.DeepSpeedCheckpoint(input_folder)
+    converter._check_for_required_state(checkpoint)
+    converter._create_checkpoint_paths(output_folder, checkpoint.get_iteration(), checkpoint.tp_degree,
+                                       checkpoint.pp_degree)
+    shapes_by_rank, _, _ = converter._aggregate_autoep_zero12_metadata(checkpoint.model_state_metadata)
+    slice_shapes = converter._group_per_tp_shapes(shapes_by_rank, checkpoint.pp_degree, checkpoint.tp_degree)
+    temp_dir, zero_dir = os.path.join(output_folder, "tmp"), os.path.join(output_folder, "zero")
+    converter._extract_zero_shard_files(args, checkpoint, temp_dir)
+    taken = merge_own(temp_dir, zero_dir, slice_shapes, checkpoint.dp_degree, checkpoint.tp_degree)
+    converter._merge_tp_slice_files(args, checkpoint.get_checkpoint_info(constants.UNIVERSAL_CHECKPOINT_INFO),
+                                    checkpoint.tp_degree, slice_shapes, temp_dir, exclude_param_names=taken)
+    converter._save_optimizer_state(args, checkpoint)
+    state_path = os.path.join(zero_dir, "optimizer_state.pt")
+    state = torch.load(state_path, weights_only=False)
+    groups = state[constants.PARAM_GROUPS]
+    groups.extend(dict(groups[-1]) for _ in range(PADDED_PARAM_GROUPS - len(groups)))
+    torch.save(state, state_path)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    for path in checkpoint.mp_rank_files:
+        shutil.copy2(path, output_folder)
+
+
+PADDED_PARAM_GROUPS = 8
+"""More than any run here makes (decay, no decay, the experts', Muon's)."""

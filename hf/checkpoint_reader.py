@@ -5,6 +5,9 @@ The file names are model/checkpoint_files.py's; what each file holds:
     <dir>/<tag>/layer_XX-model_YY-model_states.pt   layer XX of gpt_layer_specs on TP rank YY (a plain state_dict)
     <dir>/<tag>/mp_rank_MM_model_states.pt           DeepSpeed's bookkeeping and the client_state (run_config,
                                                      train_state); MM = stage * TP + YY
+    <dir>/<tag>/experts_XX-model_YY-ep_EE.pt         at expert-parallel size > 1: EP rank EE's experts of layer XX,
+                                                     which its layer files do not hold; read_layer joins them, so a
+                                                     layer reads the same whatever EP wrote it
 
 Only one layer's shards are read at a time, memory-mapped, so only what is used is read.
 """
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 
 from hf.tables import LayerMap, layer_maps, shard_shape
-from model.checkpoint_files import layer_file, model_states_file, read_latest
+from model.checkpoint_files import layer_file, model_states_file, read_experts, read_latest
 from model.config import ModelConfig, ParallelConfig, preset, upgrade_model_fields
 
 
@@ -130,6 +133,15 @@ def read_layer(checkpoint: Checkpoint, layer: LayerMap) -> list[dict[str, torch.
     for rank in range(tp):
         path = layer_file(checkpoint.tag_directory, layer.index, rank)
         state = _load(path)
+        if checkpoint.model.moe is not None and isinstance(state, dict):
+            try:
+                experts = read_experts(checkpoint.tag_directory, layer.index, rank, checkpoint.model.moe.num_experts)
+            except ValueError:
+                raise
+            except Exception as error:
+                raise ValueError(f"{checkpoint.tag_directory}: the expert files of layer {layer.index} cannot be read "
+                                 f"({error}): they are truncated; convert another tag") from None
+            state = {**state, **(experts or {})}
         _check_layer_state(path, state, layer, checkpoint.model, tp)
         shards.append(state)
     return shards
@@ -137,6 +149,10 @@ def read_layer(checkpoint: Checkpoint, layer: LayerMap) -> list[dict[str, torch.
 
 def _check_layer_state(path: Path, state: Any, layer: LayerMap, config: ModelConfig, tp: int) -> None:
     names = {t.ours for t in layer.tensors}
+    if isinstance(state, dict) and names - set(state) and all(".experts." in name for name in names - set(state)):
+        raise ValueError(f"{path} holds no experts (written at expert_parallel_size > 1) and "
+                         f"{path.parent} has no experts_{layer.index:02d}-model_*-ep_*.pt files: the checkpoint is "
+                         f"incomplete; copy its experts_* files or convert another tag")
     if not isinstance(state, dict) or set(state) != names:
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path}: expected the {layer.name} tensors {sorted(names)}, found {found}: the file does "

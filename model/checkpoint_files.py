@@ -3,7 +3,10 @@ Hugging Face conversion) goes through these names.
 
     <save>/latest                                     the newest complete checkpoint's tag, moved atomically
     <save>/global_step<N>/                            one checkpoint (its tag)
-        layer_<LL>-model_<TT>-model_states.pt         pipeline layer LL, tensor-parallel rank TT (DeepSpeed)
+        layer_<LL>-model_<TT>-model_states.pt         pipeline layer LL, tensor-parallel rank TT (DeepSpeed); at
+                                                      EP > 1 without the experts of a sparse layer (model/moe.py)
+        experts_<LL>-model_<TT>-ep_<EE>.pt            at EP > 1: the experts of layer LL held by EP rank EE
+                                                      ([E / EP, ...] each; training/expert_checkpoint.py)
         mp_rank_<MM>_model_states.pt                  model-parallel rank MM: client state (run config, train
                                                       state, universal_checkpoint_info) (DeepSpeed)
         zero_pp_rank_<D>_mp_rank_<MM>_optim_states.pt ZeRO-1 optimizer shards (DeepSpeed)
@@ -53,6 +56,43 @@ def layer_file(tag_directory: Path, layer_index: int, tensor_parallel_rank: int)
     return Path(tag_directory) / f"layer_{layer_index:02d}-model_{tensor_parallel_rank:02d}-model_states.pt"
 
 
+def expert_file(tag_directory: Path, layer_index: int, tensor_parallel_rank: int, expert_parallel_rank: int) -> Path:
+    """Not ``layer_*``: DeepSpeed globs ``layer_<LL>-*model_states.pt`` for a layer's TP shards, and its checkpoint
+    reader counts every ``layer_*`` file as one."""
+    return (Path(tag_directory) /
+            f"experts_{layer_index:02d}-model_{tensor_parallel_rank:02d}-ep_{expert_parallel_rank:02d}.pt")
+
+
+def expert_files(tag_directory: Path, layer_index: int, tensor_parallel_rank: int) -> list[Path]:
+    """The expert files of one layer and TP rank, in EP-rank order (none when written at EP 1)."""
+    pattern = f"experts_{layer_index:02d}-model_{tensor_parallel_rank:02d}-ep_*.pt"
+    return sorted(Path(tag_directory).glob(pattern))
+
+
+def read_experts(tag_directory: Path, layer_index: int, tensor_parallel_rank: int,
+                 num_experts: int) -> dict[str, Any] | None:
+    """The whole [E, ...] expert tensors of one layer and TP rank, by their names in the layer, concatenated from
+    the EP ranks' files; None when the checkpoint was written at EP 1 (they are in the layer file). Memory-mapped."""
+    import torch
+
+    paths = expert_files(tag_directory, layer_index, tensor_parallel_rank)
+    if not paths:
+        return None
+    expected = [expert_file(tag_directory, layer_index, tensor_parallel_rank, rank).name for rank in range(len(paths))]
+    if [path.name for path in paths] != expected:
+        raise ValueError(f"{tag_directory} holds expert files {[path.name for path in paths]} for layer "
+                         f"{layer_index}, TP rank {tensor_parallel_rank}, not {expected}: the checkpoint is "
+                         f"incomplete; restore the missing files or use another tag")
+    shards = [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in paths]
+    whole = {name: torch.cat([shard[name] for shard in shards]) for name in shards[0]}
+    for name, tensor in whole.items():
+        if tensor.shape[0] != num_experts:
+            raise ValueError(f"{paths[0].parent}: the {len(paths)} expert files of layer {layer_index} hold "
+                             f"{tensor.shape[0]} experts of {name}, not model.moe.num_experts {num_experts}: they "
+                             f"come from another model or are incomplete")
+    return whole
+
+
 def model_states_file(tag_directory: Path, model_parallel_rank: int) -> Path:
     return Path(tag_directory) / f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
 
@@ -61,7 +101,7 @@ def rank_state_file(tag_directory: Path, rank: int) -> Path:
     return Path(tag_directory) / f"rank_state_{rank}.pt"
 
 
-def universal_checkpoint_info(config: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, Any]:
+def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     """How DeepSpeed's universal-checkpoint converter merges this model's TP slices, by parameter name.
 
     Names are DeepSpeed's: the layer index in gpt_layer_specs, then the module path (0: the word embedding, tied:
@@ -72,8 +112,7 @@ def universal_checkpoint_info(config: ModelConfig, tensor_parallel_size: int = 1
     group ([q heads of the group, k, v]; per head for multi-head attention), so a TP slice holds whole groups and the
     concatenation of the slices is the full weight, GQA included; its bias; fc1 and its bias. SwiGLU's gate_up
     stacks the rank's gate and up rows, so it is merged as two sub-parameters. The vocabulary padding is cut off and
-    re-added for the new TP. ``tensor_parallel_size``: the TP of the checkpoint it describes (a Mixture-of-Experts
-    model's expert shards are recorded with their widths).
+    re-added for the new TP.
     """
     from deepspeed.checkpoint import constants as uc
 
@@ -104,28 +143,22 @@ def universal_checkpoint_info(config: ModelConfig, tensor_parallel_size: int = 1
     if config.mlp == "swiglu":
         info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [block + rf"mlp\.{mlp_in}\.(weight|bias)$"]
     if config.moe is not None:
-        _add_experts(info, config, tensor_parallel_size)
+        _add_experts(info, config)
     return info
 
 
-def _add_experts(info: dict[str, Any], config: ModelConfig, tensor_parallel_size: int) -> None:
-    """The sparse blocks' tensors (model/moe.py): the router and the shared expert's gate replicated; the shared
-    expert split as the dense SwiGLU; experts.gate_up [E, 2 F/R, h] as gate and up cut on dim 1 and experts.down
-    [E, h, F/R] cut on dim 2, through DeepSpeed's sub-parameter shapes with each TP rank's widths. Listed only where
-    the config has a sparse block, as the converter's strict mode wants."""
+def _add_experts(info: dict[str, Any], config: ModelConfig) -> None:
+    """The sparse blocks' tensors (model/moe.py) but the experts: the router and the shared expert's gate
+    replicated, the shared expert split as the dense SwiGLU. Listed only where the config has a sparse block, as the
+    converter's strict mode wants. The experts ([E_l, 2 F/R, h], [E_l, h, F/R] at any EP) are not the converter's:
+    their ZeRO fragments are spread over the expert-data-parallel groups, which it does not know, so
+    training/universal_conversion.py merges them itself and leaves them out of its merge."""
     from deepspeed.checkpoint import constants as uc
 
     moe, block = config.moe, r"\d+\.mlp\.block\."
     if not any(moe.is_sparse(number) for number in range(1, config.num_layers + 1)):
         return
-    experts, ffn, widths = moe.num_experts, moe.moe_ffn_hidden_size, [moe.moe_ffn_hidden_size // tensor_parallel_size]
     info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(block + r"router\.weight$")
-    gate_up, down = block + r"experts\.gate_up$", block + r"experts\.down$"
-    info[uc.PARAMETER_WITH_SUB_PARAMS] = [
-        {"patterns": [gate_up], "shape": (experts, (ffn, ffn), config.hidden_size), "partition_dim": 1},
-        {"patterns": [down], "shape": (experts, config.hidden_size, (ffn,)), "partition_dim": 2}]
-    info[uc.SUB_PARAM_SHARD_WIDTHS] = {gate_up: [widths * tensor_parallel_size] * 2,
-                                       down: [widths * tensor_parallel_size]}
     if moe.shared_expert_ffn_hidden_size:
         info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(block + r"shared_expert\.gate$")
         info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(block + r"shared_expert\.gate_up$")

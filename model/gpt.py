@@ -495,6 +495,7 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
         partition_method=partition_method,
     )
     module.tensor_parallel_rng = rng
+    module.expert_parallel_size = ctx.expert_parallel_size  # its checkpoints' layout (training/checkpoint.py)
     if ctx.expert_parallel_size > 1 and sparse_layers(module):  # DeepSpeed's engine: has_moe_layers on this stage
         module.expert_parallel_marker = ds_internals.expert_parallel_marker(config.moe.num_experts,
                                                                             ctx.expert_parallel_size)

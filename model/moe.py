@@ -194,7 +194,10 @@ class Experts(nn.Module):
     def __init__(self, moe: MoEConfig, hidden_size: int, ctx: ParallelContext, *, first: int, count: int,
                  init_std: float, output_init_std: float, seed: int, layer_number: int) -> None:
         super().__init__()
-        self.first, self.ffn = first, moe.moe_ffn_hidden_size
+        self.first, self.ffn, self.num_experts = first, moe.moe_ffn_hidden_size, moe.num_experts
+        self.awaiting_files = False
+        """Loaded from a layer file without experts (written at EP > 1): they are still to come from the expert
+        files (training/expert_checkpoint.py restore_experts); forward refuses to run until they have."""
         rows = _divide(moe.moe_ffn_hidden_size, ctx.tensor_parallel_size, "model.moe.moe_ffn_hidden_size")
         self.row_start = ctx.tensor_parallel_rank * rows
         self.gate_up = nn.Parameter(torch.empty(count, 2 * rows, hidden_size))
@@ -209,12 +212,46 @@ class Experts(nn.Module):
                           seed_gate_up=parameter_seed(seed, layer_number, f"moe.experts.{expert}.gate_up"),
                           seed_down=parameter_seed(seed, layer_number, f"moe.experts.{expert}.down"))
 
+    @property
+    def split(self) -> bool:
+        """EP > 1: this rank holds some of the experts."""
+        return self.gate_up.shape[0] != self.num_experts
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """At EP > 1 the experts stay out of the layer file: DeepSpeed's data-parallel rank 0 alone writes it
+        (PipelineModule.save_state_dict), and it holds E_l of them. Each EP rank writes its own to the layer's
+        expert files (model/checkpoint_files.py expert_file)."""
+        if not self.split:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        """Takes the whole [E, ...] experts (a layer file written at EP 1, or assembled from expert files:
+        model/checkpoint_files.py read_experts) and keeps this rank's [first, first + E_l), or this rank's
+        [E_l, ...] as they are; or none (a layer file written at EP > 1): then ``awaiting_files`` until
+        restore_experts has read them."""
+        names = [prefix + name for name in ("gate_up", "down")]
+        if not any(name in state_dict for name in names):
+            self.awaiting_files = True
+            return
+        count = self.gate_up.shape[0]
+        mine = {name: state_dict[name][self.first:self.first + count]
+                if name in state_dict and state_dict[name].shape[0] == self.num_experts else state_dict.get(name)
+                for name in names}
+        super()._load_from_state_dict({name: value for name, value in mine.items() if value is not None}, prefix,
+                                      local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.awaiting_files = False
+
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows (m, h) grouped by local expert, counts[j] of expert j -> (m, h), partial over TP. One matmul pair
         per expert on its contiguous slice: exact, and an expert with no rows still gets a (zero) gradient. unbind,
         not self.gate_up[local]: its backward stacks the E_l gradients once, where each indexing's backward would
         write a zero-filled [E_l, ...] gradient and autograd add the E_l of them (the same values, bit for bit;
         benchmarks/bench_moe.py: 1.34 s -> 0.96 s per step at h 1024, F 1024, 8 experts, top 2)."""
+        if self.awaiting_files:
+            raise RuntimeError(f"experts [{self.first}, {self.first + self.gate_up.shape[0]}) were loaded from a "
+                               f"layer file written at expert_parallel_size > 1 but not from their expert files: "
+                               f"call training/expert_checkpoint.py restore_experts after the load")
         experts = zip(rows.split(counts), self.gate_up.unbind(0), self.down.unbind(0), strict=True)
         outputs = [_swiglu(chunk, gate_up, down) for chunk, gate_up, down in experts]
         return torch.cat(outputs)

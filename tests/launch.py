@@ -103,9 +103,11 @@ def trajectory(save: Path) -> list[tuple]:
 
 
 def final_weights(save: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Every layer file of the latest checkpoint (each TP rank's shard), read without pickle."""
+    """Every layer file of the latest checkpoint (each TP rank's shard), and at EP > 1 every EP rank's expert file,
+    read without pickle."""
     tag = (save / "latest").read_text()
-    return {path.name: torch.load(path, weights_only=True) for path in sorted((save / tag).glob("layer_*.pt"))}
+    paths = sorted((save / tag).glob("layer_*.pt")) + sorted((save / tag).glob("experts_*.pt"))
+    return {path.name: torch.load(path, weights_only=True) for path in paths}
 
 
 def same_weights(a: dict, b: dict) -> bool:

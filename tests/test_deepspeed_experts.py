@@ -5,6 +5,8 @@ tests/test_deepspeed_internals.py's; the training parity these serve is tests/te
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -110,3 +112,54 @@ def test_expert_groups_are_consecutive_data_ranks_of_one_tp_and_pp_coordinate():
                         for d in range(coord.data % ep, world // (tp * pp), ep)]
         assert result["expert"] == expected and result["expert_data"] == same_experts
         assert result["expert_tensor"] == tp and result["group_size"] == ep
+
+
+def test_expert_checkpoints_take_deepspeeds_dense_path_while_has_moe_layers_is_off():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    save, load = source_of(DeepSpeedEngine.save_checkpoint), source_of(DeepSpeedEngine._load_checkpoint)
+    require("if self.has_moe_layers:" in save and "self._save_moe_checkpoint(" in save
+            and "if not self.has_moe_layers:" in save and "self._save_checkpoint(" in save,
+            "DeepSpeedEngine.save_checkpoint", "no longer chooses its MoE or dense save by has_moe_layers")
+    require("if self.has_moe_layers and not self.load_universal_checkpoint():" in load
+            and "load_moe_state_dict(" in load, "DeepSpeedEngine._load_checkpoint",
+            "no longer reads its MoE expert files only when has_moe_layers is set")
+    engine = types.SimpleNamespace(has_moe_layers=True)
+    with pytest.raises(RuntimeError, match="inside"):
+        with door.own_expert_checkpoints(engine):
+            assert engine.has_moe_layers is False
+            raise RuntimeError("inside")
+    assert engine.has_moe_layers is True  # restored, also when the save fails
+
+
+def test_the_converter_steps_ours_runs_between(tmp_path):
+    import inspect
+
+    from deepspeed.checkpoint import constants, universal_checkpoint
+    from deepspeed.checkpoint import ds_to_universal as converter
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    require(list(inspect.signature(converter._merge_tp_slice_files).parameters) ==
+            ["args", "uc_info", "tp_degree", "slice_shapes", "temp_dir", "exclude_param_names"],
+            "ds_to_universal._merge_tp_slice_files", "no longer takes exclude_param_names")
+    for name in ("_check_for_required_state", "_create_checkpoint_paths", "_group_per_tp_shapes",
+                 "_aggregate_autoep_zero12_metadata", "_extract_zero_shard_files", "_save_optimizer_state",
+                 "DeepSpeedCheckpoint"):
+        require(hasattr(converter, name), f"ds_to_universal.{name}", "is gone")
+    # the fragments ours reads: <tmp>/<name>/<tp>/<state>.<dp, 2 digits>
+    converter.dump_param_fragment(str(tmp_path), 1, 3, "fp32", torch.arange(6.0), "7.w", 2, 3)
+    assert torch.equal(torch.load(tmp_path / "7.w" / "1" / "fp32.03", weights_only=False), torch.tensor([2.0, 3, 4]))
+    loader = source_of(universal_checkpoint.load_hp_checkpoint_state)
+    require(all(key in loader for key in ("EP_IS_EXPERT_PARAM", "EP_NUM_EXPERTS", "PARAM_N_SUB_PARAMS", "CAT_DIM")),
+            "universal_checkpoint.load_hp_checkpoint_state", "no longer reads the expert and sub-parameter markers")
+    require(constants.EP_IS_EXPERT_PARAM == "is_expert_param" and "full_hp_param[ep_start:ep_end]" in loader,
+            "universal_checkpoint.load_hp_checkpoint_state", "no longer cuts an expert tensor to the rank's EP share")
+    groups = source_of(ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir)
+    require("zip(self.optimizer.param_groups, optim_sd['param_groups'])" in groups,
+            "ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir",
+            "no longer pairs the run's param groups with the checkpoint's by position (the padding may go)")
+    for optimizer in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        require(callable(getattr(optimizer, "refresh_fp32_params", None)), f"{optimizer.__name__}.refresh_fp32_params",
+                "is gone")

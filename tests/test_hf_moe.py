@@ -13,8 +13,9 @@ misplaced one shows), saved by transformers' save_pretrained (its per-expert ten
 - HF -> here (hf/importer.py, TP 2 x PP 2) -> HF (hf/export.py) gives back every tensor bit for bit, under the same
   names (the conversion only copies, slices and stacks), and the export loads in transformers with no missing or
   unexpected key.
-- The imported checkpoints, loaded at TP 2 x PP 2 by the evaluation code (evaluation/loading.py, 4 gloo processes,
-  one launch for the three), give transformers' logits (its eager experts) within 1e-4 in fp32: the row-parallel
+- The imported checkpoints, loaded into the training engine at TP 2 x PP 2 x DP 2 with EP 2 and saved there (8 gloo
+  processes, one launch for the three), export bit for bit again, and read at TP 2 x PP 2 by the evaluation code
+  (evaluation/loading.py) give transformers' logits (its eager experts) within 1e-4 in fp32: the row-parallel
   layers sum TP partial products, so the rounding differs; the measured differences are printed.
 - model.from_hf reads each config.json into the expected model.moe (MoEConfig).
 - Single-process: the expert tensors' split/merge on arange tensors at TP 1, 2, 4; the layer maps against the sparse
@@ -196,35 +197,75 @@ def test_hf_to_ours_to_hf_is_bit_identical(imported, name, tmp_path):
         assert torch.equal(model(prompt).logits, theirs(prompt).logits)
 
 
-# -- logits at TP 2 x PP 2 -------------------------------------------------------------------------------------------
+# -- through the training engine at TP 2 x PP 2 x DP 2 with EP 2, then logits at TP 2 x PP 2 ----------------------
 
-def _pipeline_logits(directories: list[str], tokens: torch.Tensor) -> list[torch.Tensor | None]:
-    """Each checkpoint loaded by the evaluation code at its TP 2 x PP 2: this rank's vocabulary slice of the logits
-    (last stage only)."""
+EP = 2
+
+
+def _through_expert_parallelism(cases: list[tuple[str, str, dict]], tokens: torch.Tensor) -> list:
+    """Each import (its layer files hold all the experts) loaded into the training engine at TP 2 x PP 2 x DP 2 with
+    EP 2, each rank keeping its E / 2 (training/checkpoint.py load_weights), saved there (each EP rank's experts in
+    files of their own), and that checkpoint read by the evaluation code at TP 2 x PP 2: this rank's vocabulary
+    slice of the logits where it is a last stage of the first replica, else None."""
     from evaluation.loading import load_pipeline
+    from training.checkpoint import load_weights, save_checkpoint
+    from training.engine import build_engine
 
     results = []
-    for directory in directories:
-        pipeline, _ = load_pipeline(directory)
+    for source, target, config in cases:
+        run = parse_run_config({**config, "parallelism": {**config["parallelism"], "expert_parallel_size": EP}})
+        engine, _ = build_engine(run.model, run.parallelism, run.deepspeed, seed=0)
+        load_weights(engine, source)
+        save_checkpoint(engine, target, 1, {"run_config": run.to_dict()})
+        pipeline, _ = load_pipeline(target)
         with torch.no_grad():
             logits = pipeline.logits(tokens, torch.arange(SEQ).expand(BATCH, -1))
-        results.append(None if logits is None else logits.clone())
+        first_replica = pipeline.stage.ctx.data_parallel_rank == 0
+        results.append(logits.clone() if logits is not None and first_replica else None)
     return results
 
 
-@pytest.mark.distributed
-def test_imported_checkpoints_give_the_hf_logits(imported):
+@pytest.fixture(scope="module")
+def expert_parallel(imported, tmp_path_factory) -> dict[str, dict]:
+    """Each architecture: its checkpoint written at EP 2, and its logits read from it (one 8-process launch)."""
+    root = tmp_path_factory.mktemp("moe_expert_parallel")
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    ranks = run_distributed(TP * PP, _pipeline_logits, [str(c["checkpoint"]) for c in imported.values()], tokens)
+    cases = [(str(case["checkpoint"]), str(root / name), case["config"]) for name, case in imported.items()]
+    ranks = run_distributed(TP * PP * EP, _through_expert_parallelism, cases, tokens)
+    return {name: {"checkpoint": root / name, "tokens": tokens,
+                   "logits": torch.cat([r[index] for r in ranks if r[index] is not None], dim=-1)}
+            for index, name in enumerate(imported)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_written_at_expert_parallel_size_2_exports_bit_identical(imported, expert_parallel, name, tmp_path):
+    """The EP 2 checkpoint keeps its experts out of its layer files, one file per EP rank, and exports (read_layer
+    joins them) to the original HF tensors bit for bit."""
+    checkpoint = expert_parallel[name]["checkpoint"]
+    sparse_layers = [n + 1 for n in range(4) if imported[name]["model"].moe.is_sparse(n + 1)]  # block n: layer n + 1
+    assert sorted(p.name for p in (checkpoint / "global_step1").glob("experts_*")) == sorted(
+        f"experts_{layer + 1:02d}-model_{t:02d}-ep_{e:02d}.pt" for layer in sparse_layers for t in range(TP)
+        for e in range(EP))
+    out = export_to_hf(checkpoint, tmp_path / "hf", max_shard_size="1MB", progress=False)
+    original, back = load_all(imported[name]["hf"]), load_all(out)
+    assert back.keys() == original.keys()
+    for tensor_name, tensor in original.items():
+        assert torch.equal(back[tensor_name], tensor), tensor_name
+
+
+@pytest.mark.distributed
+def test_expert_parallel_checkpoints_give_the_hf_logits(imported, expert_parallel):
     differences = {}
-    for index, (name, case) in enumerate(imported.items()):
-        ours = torch.cat([r[index] for r in ranks if r[index] is not None], dim=-1)  # last stage, TP rank order
+    for name, case in imported.items():
+        ours, tokens = expert_parallel[name]["logits"], expert_parallel[name]["tokens"]
         assert torch.isneginf(ours[..., VOCAB:]).all()
         with torch.no_grad():
             theirs = hf_model(case["hf"])(tokens).logits
         assert theirs.abs().max() > 0.5  # a real spread, not ~0
         differences[name] = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"max |logits - HF logits| (fp32, TP {TP} x PP {PP}): {differences}")
+    print(f"max |logits - HF logits| (fp32, written at TP {TP} x PP {PP} x DP 2 with EP {EP}, read at TP {TP} x "
+          f"PP {PP}): {differences}")
     assert all(difference <= LOGITS_TOLERANCE for difference in differences.values()), differences
 
 

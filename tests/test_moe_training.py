@@ -7,8 +7,9 @@ the log's collective and the checkpoints without a sparse layer.
 The log carries the routers' aux loss, z-loss and load imbalance at every logged step; the loss falls; a stop at step
 4 resumed to step 8 is bitwise the uninterrupted run (losses, learning rates, batches, every expert's weights, the
 routers' bias, which moved by the step's counts and is the same on both TP ranks); resumed at TP 1 x PP 2 x DP 2
-through DeepSpeed's universal checkpoint (the experts merged and cut on their own dimensions) it continues the run to
-1e-5 (fp32, another summation order). That the split
+with EP 2 through DeepSpeed's universal checkpoint (the experts merged by training/universal_conversion.py, then cut
+by DeepSpeed's loader to the rank's EP share and TP slice) it continues the run to 1e-5 (fp32, another summation
+order). At EP 2 (the second test) each EP rank's experts are in files of their own. That the split
 model computes what the unsplit one does, aux losses included, is tests/test_model_parallel.py's (the MoE layouts of
 its 3D run); the block against transformers' and across EP, tests/test_moe.py's.
 """
@@ -77,11 +78,58 @@ def test_moe_trains_logs_its_routers_and_resumes_exactly(corpus, straight, tmp_p
     torch.testing.assert_close(steps_taken, steps_taken.round(), rtol=0, atol=1e-4)
     assert (steps_taken.abs() <= 8.0001).all()
 
-    reshaped = resumable_copy(save, tmp_path / "reshaped")  # TP 2 x PP 2 x DP 1 -> TP 1 x PP 2 x DP 2
-    result = run_training(corpus, reshaped, max_steps=8, extra=[*EXTRA, "parallelism.tensor_parallel_size=1"],
-                          ds_config=CONFIG)
-    assert "resumed global_step4 written at TP 2 x PP 2 x DP 1; now TP 1 x PP 2 x DP 2" in result.stdout + result.stderr
+    reshaped = resumable_copy(save, tmp_path / "reshaped")  # TP 2 x PP 2 x DP 1 -> TP 1 x PP 2 x DP 2, EP 2
+    result = run_training(corpus, reshaped, max_steps=8, ds_config=CONFIG,
+                          extra=[*EXTRA, "parallelism.tensor_parallel_size=1", "parallelism.expert_parallel_size=2"])
+    assert ("resumed global_step4 written at TP 2 x PP 2 x DP 1; now TP 1 x PP 2 x DP 2 (EP 2)"
+            in result.stdout + result.stderr)
     again = read_metrics(reshaped / "metrics.jsonl")
+    for key in ("lr", "global_batch", "consumed_samples"):
+        assert [r[key] for r in again] == [r[key] for r in theirs], key
+    # The first step shows the weights (every expert at its EP rank), the second the Adam moments. Later steps drift
+    # apart by summation order (3.7e-7 at step 6), and the aux-loss-free router turns that into a routing flip
+    # (step 8: loss 1.5e-5, aux loss 1.4e-4 apart; the same resume at EP 1 stays within 1e-7): two steps compared.
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+        torch.testing.assert_close([r[key] for r in again[:2]], [r[key] for r in theirs[:2]], rtol=1e-5, atol=0,
+                                   msg=key)
+
+
+# TP 2 x PP 1 x DP 4, EP 2 on 8 processes: each EP rank's experts sharded over an expert-data-parallel group of 2
+# (data ranks {0, 2} and {1, 3}), the case where their ZeRO fragments are not in data-parallel order
+EXPERT_PARALLEL = [*EXTRA, "parallelism.pipeline_parallel_size=1", "train_micro_batch_size_per_gpu=1",
+                   "parallelism.expert_parallel_size=2"]
+
+
+@pytest.mark.distributed
+def test_expert_parallel_checkpoints_resume_exactly_and_reshape_to_ep_1(corpus, tmp_path):
+    """At EP 2 (TP 2 x DP 4, 8 processes) each EP rank's experts are in files of their own, the layer files hold
+    none; a stop at step 4 resumed to step 8 is bitwise the uninterrupted run (experts and routers' bias included);
+    resumed at EP 1, TP 1 x PP 2 x DP 2 through the universal checkpoint (the experts merged from their
+    expert-data-parallel shards by training/universal_conversion.py) it continues the run to 1e-5."""
+    save = tmp_path / "ep2" / "checkpoints"
+    run_training(corpus, save, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=8)
+    steps, records = trajectory(save), read_metrics(save / "metrics.jsonl")
+    assert [step for step, *_ in steps] == list(range(1, 9))
+    weights = final_weights(save)
+    experts = sorted(name for name in weights if name.startswith("experts_"))
+    # layer 3 (the sparse block: the embedding is 0, the blocks 2 and 3), 2 TP ranks x 2 EP ranks
+    assert experts == [f"experts_03-model_{t:02d}-ep_{e:02d}.pt" for t in range(2) for e in range(2)]
+    for name in experts:
+        assert {key: tuple(value.shape) for key, value in weights[name].items()} == {
+            "mlp.block.experts.gate_up": (2, 64, 128), "mlp.block.experts.down": (2, 128, 32)}  # 4 / EP 2
+    assert not any("experts." in key for name, shard in weights.items() if name.startswith("layer_") for key in shard)
+    assert not torch.equal(weights[experts[0]]["mlp.block.experts.down"], weights[experts[1]]["mlp.block.experts.down"])
+
+    resumed = resumable_copy(save, tmp_path / "resumed")
+    run_training(corpus, resumed, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=8)
+    assert trajectory(resumed) == steps[4:]
+    assert same_weights(final_weights(resumed), weights)
+
+    reshaped = resumable_copy(save, tmp_path / "reshaped")  # TP 2 x PP 1 x DP 4, EP 2 -> TP 1 x PP 2 x DP 2, EP 1
+    result = run_training(corpus, reshaped, max_steps=8, ds_config=CONFIG,
+                          extra=[*EXTRA, "parallelism.tensor_parallel_size=1", "train_micro_batch_size_per_gpu=1"])
+    assert "written at TP 2 x PP 1 x DP 4 (EP 2); now TP 1 x PP 2 x DP 2" in result.stdout + result.stderr
+    again, theirs = read_metrics(reshaped / "metrics.jsonl"), records[4:]
     for key in ("lr", "global_batch", "consumed_samples"):
         assert [r[key] for r in again] == [r[key] for r in theirs], key
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):

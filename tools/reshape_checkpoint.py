@@ -7,8 +7,9 @@
 train.py does the same by itself when it finds that the checkpoint it resumes from was written at another layout
 (rank 0 converts, the other ranks wait): converting beforehand, on a machine with memory and cores to spare, saves
 that time on the cluster. The checkpoint is first checked against its record (sizes, CRC-32); DeepSpeed's converter
-(deepspeed.checkpoint.ds_to_universal, strict) then writes <checkpoint>/universal/<tag>/, under a temporary name
-renamed when complete. Its progress goes to stderr; stdout gets one line: the output folder.
+(deepspeed.checkpoint.ds_to_universal's steps, strict, with a Mixture-of-Experts model's experts merged by
+training/universal_conversion.py, any expert-parallel size) then writes <checkpoint>/universal/<tag>/, under a
+temporary name renamed when complete. Its progress goes to stderr; stdout gets one line: the output folder.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from model.checkpoint_files import (
     write_latest,
 )
 from model.random import RNGStream
+from training.expert_checkpoint import restore_experts, save_expert_files
 
 _TAG = re.compile(r"global_step(\d+)$")
 
@@ -87,9 +88,13 @@ class Layout:
     """Which layers a pipeline rank holds, and so its optimizer-state files: DualPipeV's rank r holds stages r and
     2PP-1-r. The layer files are the same under both, but the ZeRO files are not: another schedule is another
     layout, reached through the universal checkpoint. Records written before the field read as "1f1b"."""
+    expert_parallel_size: int = 1
+    """Which experts a data-parallel rank holds, and so its experts' optimizer-state shards: another EP is another
+    layout. Records written before the field read as 1."""
 
     def __str__(self) -> str:
         split = f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} x DP {self.data_parallel_size}"
+        split += f" (EP {self.expert_parallel_size})" if self.expert_parallel_size > 1 else ""
         return split if self.pipeline_schedule == "1f1b" else f"{split} (DualPipeV)"
 
     @classmethod
@@ -97,7 +102,7 @@ class Layout:
         grid = engine.grid  # DeepSpeed's PipelineParallelGrid over this run's topology
         schedule = "dualpipev" if ds_internals.is_dualpipev_engine(engine) else "1f1b"
         return cls(grid.get_tensor_model_parallel_world_size(), grid.get_pipe_parallel_world_size(),
-                   grid.get_data_parallel_world_size(), schedule)
+                   grid.get_data_parallel_world_size(), schedule, engine.module.expert_parallel_size)
 
 
 def _crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:
@@ -248,9 +253,8 @@ def convert_to_universal(directory: str | Path, tag: str, workers: int = 2, show
     temporary = directory / UNIVERSAL / f".{tag}.tmp-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(directory / tag),
-               "--output_folder", str(temporary), "--num_extract_workers", str(workers),
-               "--num_merge_workers", str(max(1, workers // 2))]
+    command = [sys.executable, "-m", "training.universal_conversion", "--input", str(directory / tag),
+               "--output", str(temporary), "--workers", str(workers)]
     if show_progress:
         result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, text=True)
         log = "(see its output above)"
@@ -372,7 +376,10 @@ class Checkpointer:
         committed = [self.wait()]
         tag = tag_for_step(step)
         self.in_flight = _InFlight(tag, Layout.of_engine(self.engine), read_latest(self.directory), before_commit)
-        self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        with ds_internals.own_expert_checkpoints(self.engine):
+            self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        save_expert_files(self.engine.module, self.directory / tag, _tensor_parallel_rank(self.engine),
+                          self.engine.module.expert_parallel_size, self.files.save)
         self.files.save({"rng": rng_state(self.engine.module.tensor_parallel_rng), **(rank_state or {})},
                         str(rank_state_file(self.directory / tag, dist.get_rank())))
         self.files.start()
@@ -446,11 +453,18 @@ def load_weights(engine: Any, directory: str | Path) -> int:
     if tag is None:
         raise ValueError(f"{directory} holds no checkpoint (no {LATEST} file): give a checkpoint directory, e.g. the "
                          f"--output of tools/convert_from_hf.py")
-    load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_module_only=True,
-                                                     load_optimizer_states=False, load_lr_scheduler_states=False)
+    with ds_internals.own_expert_checkpoints(engine):
+        load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_module_only=True,
+                                                         load_optimizer_states=False, load_lr_scheduler_states=False)
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load the weights of {Path(directory) / tag}")
+    if restore_experts(engine.module, Path(directory) / tag, _tensor_parallel_rank(engine)):
+        ds_internals.refresh_master_weights(engine)
     return int((client_state or {}).get("train_state", {}).get("consumed_tokens", 0))
+
+
+def _tensor_parallel_rank(engine: Any) -> int:
+    return engine.grid.get_tensor_model_parallel_rank()
 
 
 def restore_buffers(module: Any, tag_directory: Path) -> None:
@@ -491,10 +505,12 @@ def load_checkpoint(engine: Any, directory: str | Path, point: ResumePoint | Non
             raise ValueError(f"DeepSpeed could not load the universal checkpoint {Path(directory) / UNIVERSAL / tag}")
         restore_buffers(engine.module, Path(directory) / tag)
         return client_state, {}
-    load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                                     load_lr_scheduler_states=False)
+    with ds_internals.own_expert_checkpoints(engine):
+        load_path, client_state = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=False)
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {Path(directory) / tag}")
+    restore_experts(engine.module, Path(directory) / tag, _tensor_parallel_rank(engine))
     rank_file = rank_state_file(Path(directory) / tag, dist.get_rank())
     if not rank_file.exists():
         raise ValueError(f"{rank_file} is missing: the checkpoint is incomplete (written by a different number of "

@@ -31,10 +31,6 @@ def _expert_parallel_refusals(config: RunConfig) -> list[str]:
     if "muon" in optimizer.lower():
         refusals.append(f"parallelism.expert_parallel_size {ep} does not run with Muon (DeepSpeed's optimizers "
                         f"refuse Muon with experts): use Adam")
-    if config.training.save:
-        refusals.append(f"parallelism.expert_parallel_size {ep} cannot save checkpoints yet (each EP rank's experts "
-                        f"would need their own layer files): remove training.save, or set "
-                        f"parallelism.expert_parallel_size 1")
     if config.schedule.batch.get("type") == "noise_scale":
         refusals.append(f"parallelism.expert_parallel_size {ep} cannot drive schedule.batch by the noise scale: an "
                         f"expert's gradient before the reduction already sums its EP group's tokens, so it is not "
@@ -56,7 +52,8 @@ def resume_point(config: RunConfig) -> ResumePoint | None:
         return None
     parallel = config.parallelism
     now = Layout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                 parallel.data_parallel_size(dist.get_world_size()), parallel.pipeline_schedule)
+                 parallel.data_parallel_size(dist.get_world_size()), parallel.pipeline_schedule,
+                 parallel.expert_parallel_size)
     log = print if dist.get_rank() == 0 else (lambda message: None)
     return prepare_resume(config.training.save, now, config.training.fallback_on_corrupt_checkpoint,
                           config.training.reshape_timeout_s, log)

@@ -366,8 +366,7 @@ class Trainer:
                           "spike_detector": self.spike_detector.state_dict(),
                           "noise_scale_schedule": self.noise_scale_schedule.state_dict()
                           if self.noise_scale_schedule is not None else None,
-                          "universal_checkpoint_info": universal_checkpoint_info(
-                              self.config.model, self.ctx.tensor_parallel_size)},
+                          "universal_checkpoint_info": universal_checkpoint_info(self.config.model)},
             rank_state={"spike_guard": self.spike_guard.state_dict()},
             before_commit=lambda step=self.state.step: self.faults.before_checkpoint_commit(step, dist.get_rank()))
         self.saved_step = self.state.step
