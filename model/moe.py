@@ -43,7 +43,10 @@ n = assignments kept (T k when dropless), m = assignments received from the EP g
 Each token's output is its own k rows, weighted and summed in a fixed order, so it does not depend on the split; an
 expert's rows arrive from rank 0, 1, ... in token order, the order of the unsplit block over the ranks' tokens
 concatenated. Only the matmul blocking of different row counts can change last bits. The experts run one matmul
-pair per local expert on its contiguous rows (Experts.forward), exact on CPU; a grouped GEMM on GPU is not used yet.
+pair per local expert on its contiguous rows (Experts.forward), exact; on CUDA in bf16, torch's grouped GEMM
+(torch.nn.functional.grouped_mm: one kernel for all local experts, jagged rows by offsets) instead. The two give the
+same bits on CPU, forward and backward (tests/test_moe.py); on CPU the loop is the faster (1.35 s against 1.78 s
+for a forward and backward at h 1024, F 1024, 8 experts, 4,096 rows, one thread).
 The aux and z losses and the counts are over this EP rank's tokens, as a data-parallel replica's loss is over its
 own: an EP rank is a data-parallel rank, with the same data at any EP.
 
@@ -188,6 +191,20 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
     return F.linear(F.silu(gate) * up, down)  # (n, h), partial over TP
 
 
+def use_grouped_gemm(rows: torch.Tensor) -> bool:
+    """torch's grouped GEMM where it has kernels for it: CUDA, bf16 (SM 80 and newer)."""
+    return rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+
+
+def grouped_swiglu(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU over their contiguous rows in two grouped matmuls: rows (m, h) in expert order, counts[j]
+    of expert j, gate_up [E_l, 2 F/R, h], down [E_l, h, F/R] -> (m, h). The offsets (int32, each group's end) are
+    made on the rows' device."""
+    offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
+    gate, up = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+
+
 class Experts(nn.Module):
     """This EP rank's E_l SwiGLU experts, global indices [first, first + E_l), each TP-sharded as SwiGLUMLP."""
 
@@ -252,6 +269,8 @@ class Experts(nn.Module):
             raise RuntimeError(f"experts [{self.first}, {self.first + self.gate_up.shape[0]}) were loaded from a "
                                f"layer file written at expert_parallel_size > 1 but not from their expert files: "
                                f"call training/expert_checkpoint.py restore_experts after the load")
+        if use_grouped_gemm(rows):
+            return grouped_swiglu(rows, counts, self.gate_up, self.down)
         experts = zip(rows.split(counts), self.gate_up.unbind(0), self.down.unbind(0), strict=True)
         outputs = [_swiglu(chunk, gate_up, down) for chunk, gate_up, down in experts]
         return torch.cat(outputs)

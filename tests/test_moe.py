@@ -264,6 +264,34 @@ def test_every_run_time_tensor_is_made_on_the_device_of_what_it_meets():
     assert not out.is_meta and int(stats.dropped) > 0 and x.grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_path_equals_the_per_expert_loop_bit_for_bit(dtype):
+    """The CUDA bf16 path (torch's grouped GEMM, model/moe.py grouped_swiglu) computes on CPU too: the same bits as
+    the per-expert loop the CPU runs, outputs and gradients, with an expert without rows; its offsets are made on the
+    rows' device (the default device set to meta would show otherwise)."""
+    from model.moe import Experts, grouped_swiglu
+
+    experts = Experts(MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16), 32, ParallelContext(), first=0,
+                      count=4, init_std=0.1, output_init_std=0.05, seed=1, layer_number=1).to(dtype)
+    counts = [5, 0, 9, 3]
+    rows = _randn(sum(counts), 32, seed=11).to(dtype)
+    results = []
+    for run in ("loop", "grouped"):
+        x = rows.clone().requires_grad_()
+        experts.zero_grad()
+        before = torch.get_default_device()
+        torch.set_default_device("meta")
+        try:
+            out = experts(x, counts) if run == "loop" else grouped_swiglu(x, counts, experts.gate_up, experts.down)
+            out.float().square().sum().backward()
+        finally:
+            torch.set_default_device(before)
+        results.append((out, x.grad, experts.gate_up.grad, experts.down.grad))
+    for loop, grouped in zip(*results, strict=True):
+        assert torch.equal(loop, grouped)
+    assert results[0][3][1].abs().max() == 0 and results[0][3][0].abs().max() > 0  # no rows, no gradient
+
+
 # ---------------------------------------------------------------------------------------------- split vs unsplit
 
 
@@ -410,7 +438,7 @@ def _split_worker(tensor_parallel_size: int, sequence_parallel_modes: tuple[bool
     return results
 
 
-def _check_split_results(per_rank: list[dict]) -> None:
+def _check_split_results(per_rank: list[dict], expert_parallel_size: int) -> None:
     worst, worst_scaled = 0.0, 0.0
     for rank, results in enumerate(per_rank):
         for case, result in results.items():
@@ -426,16 +454,21 @@ def _check_split_results(per_rank: list[dict]) -> None:
             if case.startswith("uneven"):
                 assert routed[3] == 0 and max(routed) == routed[1] > 2 * sum(routed) / EXPERTS, where
             if case.startswith("every token"):
-                assert routed[-1] == sum(routed) == 2 * BATCH * SEQUENCE, where  # EP 2, top 1
+                assert routed[-1] == sum(routed) == expert_parallel_size * BATCH * SEQUENCE, where  # top 1
     print(f"\nlargest difference over {len(per_rank)} ranks: {worst:.3g} absolute, {worst_scaled:.3g} scaled")
 
 
 def test_expert_parallel_2_equals_the_unsplit_block():
-    _check_split_results(run_distributed(2, _split_worker, 1, (False,)))
+    _check_split_results(run_distributed(2, _split_worker, 1, (False,)), 2)
 
 
 def test_expert_parallel_2_by_tensor_parallel_2_equals_the_unsplit_block_with_and_without_sequence_parallelism():
-    _check_split_results(run_distributed(4, _split_worker, 2, (False, True)))
+    _check_split_results(run_distributed(4, _split_worker, 2, (False, True)), 2)
+
+
+def test_expert_parallel_4_by_tensor_parallel_2_equals_the_unsplit_block_with_and_without_sequence_parallelism():
+    """EP 4 (2 of the 8 experts a rank; the empty expert's rank receives rows for its other one only)."""
+    _check_split_results(run_distributed(8, _split_worker, 2, (False, True)), 4)
 
 
 # ------------------------------------------------------------------------------------- the block in the pipeline
