@@ -64,10 +64,12 @@ def _train_both(tensor_parallel_size: int, pipeline_parallel_size: int, num_laye
     results = []
     counts = ramp(pipeline_parallel_size)
     for schedule, precision, fields in runs:
+        fields = dict(fields)
+        expert_parallel_size = fields.pop("expert_parallel_size", 1)
         config = model_config(precision=precision, num_layers=num_layers, **fields)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
-                                  pipeline_schedule=schedule)
+                                  pipeline_schedule=schedule, expert_parallel_size=expert_parallel_size)
         data_parallel = torch.distributed.get_world_size() // (tensor_parallel_size * pipeline_parallel_size)
         ds_config = {**deepspeed_config(precision), "train_micro_batch_size_per_gpu": MICRO_BATCH,
                      "train_batch_size": max(counts) * MICRO_BATCH * data_parallel}
@@ -88,20 +90,29 @@ FP32_BOTH = [("1f1b", "fp32", {}), ("dualpipev", "fp32", {})]
 # Mixture-of-Experts (tests/test_model_parallel.py's MOE): the aux losses attached where the blocks run follow the
 # ramp's micro-batch count under both schedules (the engine sets it before each forward)
 MOE_BOTH = [("1f1b", "fp32", MOE), ("dualpipev", "fp32", MOE)]
+# ... and at EP 2 (DP 2): the experts split over the data-parallel ranks, each rank holding two stages of which the
+# last ones hold the sparse blocks (the first two blocks dense)
+MOE_EP2 = {**MOE, "moe": {**MOE["moe"], "first_dense_layers": 2}, "expert_parallel_size": 2}
+MOE_EP2_BOTH = [("1f1b", "fp32", MOE_EP2), ("dualpipev", "fp32", MOE_EP2)]
+
+
+def schedule_pairs(runs: list[tuple[str, str, dict]]) -> list[tuple[int, int]]:
+    """(1F1B run, DualPipeV run) of the same precision and model, by index in ``runs``."""
+    return [(i, j) for i, plain in enumerate(runs) for j, dual in enumerate(runs)
+            if plain[0] == "1f1b" and dual[0] == "dualpipev" and plain[1:] == dual[1:]]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, pp, dp, num_layers, sequence_parallel, runs", [
     (1, 2, 1, 6, False, [*FP32_BOTH, *MOE_BOTH]),  # stages of 2, 2, 1, 1 blocks: 3 a rank, as 530B's 105 / PP 35
     (1, 4, 1, 8, False, FP32_BOTH),
-    (2, 2, 2, 4, True, [*FP32_BOTH, ("dualpipev", "bf16", {})]),
+    (2, 2, 2, 4, True, [*FP32_BOTH, ("dualpipev", "bf16", {}), *MOE_EP2_BOTH]),
 ], ids=["1-2-1-moe", "1-4-1", "2-2-2-sp"])
 def test_dualpipev_equals_1f1b_through_the_ramp(tp, pp, dp, num_layers, sequence_parallel, runs):
     ranks = run_distributed(tp * pp * dp, _train_both, tp, pp, num_layers, sequence_parallel, runs)
     expected_schedules = ["vshape"] * 3 + ["dualpipev"] * 3
     for rank_results in ranks:  # every rank reports the same DP-averaged loss and global norm
-        pairs = [(0, 1), (2, 3)] if runs[2:] == MOE_BOTH else [(0, 1)]
-        for plain, dual in [(rank_results[i], rank_results[j]) for i, j in pairs]:
+        for plain, dual in [(rank_results[i], rank_results[j]) for i, j in schedule_pairs(runs)]:
             assert plain["schedules"] == ["1f1b"] * 6
             assert dual["schedules"] == expected_schedules
             assert plain["class"] == "PipelineEngine" and dual["class"] == "DualPipeVEngineWithShortBatches"
@@ -109,7 +120,7 @@ def test_dualpipev_equals_1f1b_through_the_ramp(tp, pp, dp, num_layers, sequence
             torch.testing.assert_close(dual["losses"], plain["losses"], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(dual["norms"], plain["norms"], rtol=1e-5, atol=1e-5)
         plain = rank_results[0]
-        if len(rank_results) == 3:
+        if runs[2:3] == [("dualpipev", "bf16", {})]:
             # bf16 against fp32, bounds from bf16's 8 significant bits (tests/test_model_parallel.py says how):
             # losses within 0.05 (one bf16 spacing of a loss near 10 is 2^-4); the first step's gradient norm within
             # 1% (only the bf16 forward and backward differ); later ones within 5% (the weights drift by Adam steps).
