@@ -51,7 +51,7 @@ def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[i
     return ds_internals.partition_balanced(weights, pipeline_parallel_size)
 
 
-def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
+def dense_block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
     """One dense transformer block on one TP rank: h hidden, f ffn, q query and g key/value heads of d, R = TP.
 
     norms 2 x (2h LayerNorm | h RMSNorm); QKV h (q + 2g) d / R (+ (q + 2g) d / R bias unless bias "none");
@@ -63,11 +63,11 @@ def _block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
     inner = 2 * f if config.mlp == "swiglu" else f  # the column-parallel MLP matrix's rows
     bias = config.other_linears_have_bias
     mlp = (h * inner + (inner if bias else 0)) // tp + f * h // tp + (h if bias else 0)
-    return _attention_and_norms(config, tp) + mlp
+    return attention_and_norm_parameters(config, tp) + mlp
 
 
-def _attention_and_norms(config: ModelConfig, tensor_parallel_size: int) -> int:
-    """What every block has, dense or sparse: its two norms, the attention and its qk norms (_block_parameters)."""
+def attention_and_norm_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """What every block has, dense or sparse: its two norms, the attention and its qk norms (dense_block_parameters)."""
     h, tp, d = config.hidden_size, tensor_parallel_size, config.head_dim
     norms = 2 * _norm_parameters(config)
     if config.qk_layernorm:
@@ -88,7 +88,7 @@ def _sparse_block_parameters(config: ModelConfig, routed_experts: int) -> int:
     h, moe = config.hidden_size, config.moe
     router, expert = moe.num_experts * h, 3 * h * moe.moe_ffn_hidden_size
     shared = 3 * h * moe.shared_expert_ffn_hidden_size + h if moe.shared_expert_ffn_hidden_size else 0
-    return _attention_and_norms(config, 1) + router + routed_experts * expert + shared
+    return attention_and_norm_parameters(config, 1) + router + routed_experts * expert + shared
 
 
 def _norm_parameters(config: ModelConfig) -> int:
@@ -107,7 +107,7 @@ def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_si
     if name in ("FinalLayerNorm", "FinalRMSNorm"):
         return _norm_parameters(config)
     if name == "TransformerLayer":
-        return _block_parameters(config, tp)
+        return dense_block_parameters(config, tp)
     raise ValueError(f"no formula for layer {name}")
 
 
@@ -131,7 +131,7 @@ def _model_parameters(config: ModelConfig, tensor_parallel_size: int, active: bo
     h = config.hidden_size
     embeddings = config.padded_vocab_size(tensor_parallel_size) * h * (1 if config.tie_word_embeddings else 2)
     positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
-    dense_block = _block_parameters(config, 1)
+    dense_block = dense_block_parameters(config, 1)
     if config.moe is None:
         blocks = config.num_layers * dense_block
     else:

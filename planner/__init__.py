@@ -11,6 +11,8 @@ One module per concern, each with its own formulas in its docstring (the whole d
                 stage: weights, gradients, optimizer states, activations
     timing      one iteration: compute, TP and p2p communication, bubble,   hardware, memory, model/flops.py
                 the DP reduction, the optimizer step
+    experts     Mixture-of-Experts models (model.moe): a rank's experts at   hardware, model/summary.py
+                EP, their ZeRO shard over DP / EP, the dispatch all-to-all
     ramp        the batch ramp's sizes against DP, the whole training time   training/schedules.py
     scaling     tokens per parameter, the compute-optimal size (Chinchilla)  memory
     checkpointing  a checkpoint's size, its write at a storage bandwidth,  memory

@@ -7,6 +7,8 @@ embedding is written once.
 
     bytes per rank        the busiest: DP rank 0 of the largest stage, e N_i + 12 N_i / d
     bytes per run         e (sum_i N_i t - the head's tied copy) + 12 sum_i N_i t: 7.4 TB for 530B in bf16
+    a Mixture-of-Experts model (planner/experts.py): the experts' optimizer shard is 12 N^e_i / (d / EP), and the
+                          run holds every EP rank's experts: N_i + (EP - 1) N^e_i in place of N_i in the sums
     a save, written       the slowest of: the busiest node's bytes (its GPUs' ranks) at the node's bandwidth to the
                           file system, and the run's bytes at the file system's aggregate bandwidth
     the stall, "sync"     the whole write: training waits for it
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.experts import expert_parameters_of
 from planner.hardware import DTYPE_BYTES, Hardware
 from planner.memory import ParameterCounts
 from training.config import RunConfig
@@ -74,9 +77,12 @@ def checkpoint_cost(config: RunConfig, parameters: ParameterCounts, data_paralle
                     iteration_seconds: float, hardware: Hardware, storage: Storage) -> CheckpointCost:
     weight = DTYPE_BYTES[config.model.precision]
     tp, d = config.parallelism.tensor_parallel_size, data_parallel_size
-    largest = max(count.parameters_per_tp_rank for count in parameters.stages)
-    per_rank = weight * largest + OPTIMIZER_BYTES * largest // d
-    held = tp * sum(count.parameters_per_tp_rank for count in parameters.stages)  # every TP rank's own copy
+    largest = max(parameters.stages, key=lambda count: count.parameters_per_tp_rank)
+    n, experts, ep = largest.parameters_per_tp_rank, expert_parameters_of(largest), config.parallelism.expert_parallel_size
+    # a Mixture-of-Experts model's experts: their optimizer shard over d / EP ranks, and every EP rank's own experts
+    per_rank = weight * n + OPTIMIZER_BYTES * (n - experts) // d + OPTIMIZER_BYTES * experts // (d // ep)
+    held = tp * sum(count.parameters_per_tp_rank + (ep - 1) * expert_parameters_of(count)
+                    for count in parameters.stages)  # every TP rank's own copy
     # the head's copy of the tied embedding on the last stage is not saved (DualPipeV holds both ends on rank 0, once)
     tied_again = (config.model.padded_vocab_size(tp) * config.model.hidden_size
                   if config.model.tie_word_embeddings and sum("WordEmbedding" in c.layers for c in parameters.stages) > 1

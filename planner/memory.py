@@ -10,6 +10,9 @@ pipeline stage i (counted on the meta device by model/summary.py); m = global ba
 
 Memory of stage i
     weights + grads + accumulation buffer + master + Adam       as above
+    A Mixture-of-Experts model (model.moe): N_i holds the rank's E / EP experts of each sparse block, and the
+        experts' master, Adam and ZeRO gradient partition are split over the expert-data-parallel group, d / EP
+        ranks, not d (planner/experts.py); a sparse block's activations are sparse_mlp_stored_tensors' rows.
     activations = held x per_micro_batch + working_set, held = min(p - i, m) (a 1F1B stage keeps the micro-batches
         whose backward has not run: DeepSpeed's ``TrainSchedule.num_pipe_buffers``).
         Per block and micro-batch: what THIS implementation keeps for the backward (``layer_stored_tensors``, one row
@@ -67,6 +70,7 @@ from dataclasses import dataclass
 from model.config import ModelConfig
 from model.gpt import FINAL_NORMS
 from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
+from planner.experts import count_expert_stages, expert_parameters_of, kept_assignments_per_token
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
 from planner.pipeline_schedule import activations_in_flight
 from training.config import RunConfig
@@ -83,8 +87,15 @@ class ParameterCounts:
 
 
 def count_parameters(config: RunConfig) -> ParameterCounts:
-    """One count per pipeline rank (under DualPipeV with its two stages in ``phases``)."""
+    """One count per pipeline rank (under DualPipeV with its two stages in ``phases``). A Mixture-of-Experts model is
+    counted from its config at the run's EP (planner.experts.count_expert_stages: a rank holds E / EP experts of
+    each sparse block), its total with every expert."""
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    if config.model.moe is not None:
+        stages = count_expert_stages(config.model, tp, pp, config.parallelism.expert_parallel_size,
+                                     config.parallelism.pipeline_schedule)
+        total = analytic_total_parameters(config.model, tp)
+        return ParameterCounts(stages, total, total)
     stages = count_stages(config.model, tp, pp, pipeline_schedule=config.parallelism.pipeline_schedule)
     return ParameterCounts(stages, total_from_stages(stages, config.model, tp),
                            analytic_total_parameters(config.model, tp))
@@ -133,11 +144,70 @@ def _norm_rows(model: ModelConfig, replicated: float, what: str) -> list[StoredT
     return rows
 
 
+def sparse_mlp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, micro_batch: int = 1,
+                              expert_parallel_size: int = 1) -> list[StoredTensor]:
+    """What the MoE block of a sparse layer (model/moe.py, MoEBlock) keeps for its backward, per token of the
+    micro-batch (T = s b on every TP rank, with SP too: step 1 gathers the sequence), in place of the dense MLP's
+    rows and of the ln2 output. Derived from the code, each row the tensor an autograd node saves; k the top_k, k'
+    the assignments kept (k' = k when dropless, planner.experts), e the model dtype:
+
+        the block's input tokens, e h: the ln2 output (with SP its gathered sequence), when a linear takes them as
+            they are: the router in fp32 (tokens.float() is then no copy), the shared expert; else nothing keeps it
+        in 16-bit, the router's fp32 copy of its input, 4 h, and of its weight, 4 E h per block
+        router logits (the z-loss's logsumexp input) and softmax (or sigmoid) scores, fp32: 8 E (sigmoid_bias: + 4,
+            the scores' sum); the logsumexp, 4; the stable sort's indices, int64, 8 E: the selected experts (T, k)
+            are a view of them, which gather keeps; norm_topk_prob: the k selected scores and their sum, 4 k + 4
+        the dispatch's row index 8 k' and the combine's slot index 8 k (int64); at EP > 1 the regrouping by local
+            expert and back, 16 k' more
+        the experts' input rows, e k' h (at EP > 1 the rows received: balanced routing assumed); per row the
+            SwiGLU's gate_up output, silu output and product, e k' 4 F / t (the dense SwiGLU's 4 f / t per row)
+        the combine's gathered outputs (T, k, h) and gate weights, e k (h + 1)
+        the shared expert (F_s > 0): its SwiGLU 4 F_s / t, its output h and the sigmoid gate, e (4 F_s / t + h + 1)
+    The aux loss's per-expert terms (E floats a block) are left out. Checked against the tensors the block saves
+    (saved-tensor hooks, CPU, fp32 and bf16, EP 1 and TP 1, the per-expert matmul loop: tests/test_planner_moe.py);
+    the EP > 1, TP > 1 and CUDA rows (a grouped GEMM keeps the same inputs: rows, gate_up output, silu output,
+    product) are derived, not measured, and so is CUDA memory in general. Per token fp32 at k 2, E 8, h 256, F 128,
+    t 1: 9,400 bytes, of which the experts' SwiGLU 4,096 and the rows 2 x 2,048 (dispatched and gathered back)."""
+    moe, h, t = model.moe, model.hidden_size, tensor_parallel_size
+    dtype = DTYPE_BYTES[model.precision]
+    experts, k, kept = moe.num_experts, moe.top_k, kept_assignments_per_token(model)
+    rows = []
+    if dtype == 4 or moe.shared_expert_ffn_hidden_size:
+        rows.append(StoredTensor("MoE input tokens (the ln2 output; with SP its gathered sequence)", dtype * h,
+                                 STORING_MODES))
+    if dtype != 4:
+        rows += [StoredTensor("router: fp32 copy of its input", 4 * h, STORING_MODES),
+                 StoredTensor("router: fp32 copy of its weight, E h per block",
+                              4 * experts * h / (model.seq_length * micro_batch), STORING_MODES)]
+    rows += [
+        StoredTensor("router logits and scores (fp32)", 8 * experts + 4 * (moe.router == "sigmoid_bias"),
+                     STORING_MODES),
+        StoredTensor("router z-loss logsumexp (fp32)", 4, STORING_MODES),
+        StoredTensor("top-k: the sort's indices (int64, all E)", 8 * experts, STORING_MODES),
+    ]
+    if moe.norm_topk_prob:
+        rows.append(StoredTensor("norm_topk_prob: selected scores and their sum (fp32)", 4 * k + 4, STORING_MODES))
+    rows += [
+        StoredTensor("dispatch and combine indices (int64)", 8 * kept + 8 * k + 16 * kept * (expert_parallel_size > 1),
+                     STORING_MODES),
+        StoredTensor("experts' input rows", dtype * kept * h, STORING_MODES),
+        StoredTensor("experts: gate_up output, silu output, their product", dtype * kept * 4 * moe.moe_ffn_hidden_size
+                     / t, STORING_MODES),
+        StoredTensor("combine: gathered expert outputs and gate weights", dtype * k * (h + 1), STORING_MODES),
+    ]
+    if moe.shared_expert_ffn_hidden_size:
+        rows.append(StoredTensor("shared expert: SwiGLU, output and sigmoid gate",
+                                 dtype * (4 * moe.shared_expert_ffn_hidden_size / t + h + 1), STORING_MODES))
+    return rows
+
+
 def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
-                         attention_scores_stored: bool = False, micro_batch: int = 1) -> list[StoredTensor]:
+                         attention_scores_stored: bool = False, micro_batch: int = 1, sparse: bool = False,
+                         expert_parallel_size: int = 1) -> list[StoredTensor]:
     """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
     micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
-    layer_activation_bytes (module docstring)."""
+    layer_activation_bytes (module docstring). ``sparse``: a block of a Mixture-of-Experts model with experts (its
+    MLP's rows and the ln2 output are sparse_mlp_stored_tensors')."""
     h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
     dtype = DTYPE_BYTES[model.precision]
     u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
@@ -150,7 +220,8 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     query_contiguous = model.queries_per_key_value_head > 1 and model.num_key_value_heads // t > 1
     rows = [
         StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
-        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES),
+        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES)
+        if not sparse else StoredTensor("ln1 output, residual sum (ln2 input)", 2 * dtype * replicated, STORING_MODES),
         *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
         StoredTensor("QKV output (q, k, v are views of it)", dtype * model.qkv_size / t, STORING_MODES),
     ]
@@ -172,7 +243,9 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
         if query_contiguous:  # its output is then (b, a, s, d) too: the dense input is a transposed copy
             rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
-    if model.mlp == "swiglu":
+    if sparse:
+        rows += sparse_mlp_stored_tensors(model, t, micro_batch=micro_batch, expert_parallel_size=expert_parallel_size)
+    elif model.mlp == "swiglu":
         rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
     else:
         rows.append(StoredTensor("fc1 output (GeLU input), GeLU output", dtype * 2 * f / t, STORING_MODES))
@@ -182,13 +255,16 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
 
 
 def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int, *,
-                           sequence_parallel: bool, recompute: str, attention_scores_stored: bool = False) -> float:
+                           sequence_parallel: bool, recompute: str, attention_scores_stored: bool = False,
+                           sparse: bool = False, expert_parallel_size: int = 1) -> float:
     """Bytes one block keeps for its backward per micro-batch, its output counted ("full": the output alone, h u
-    per token), by default without the s x s scores, which the fused kernel the model runs does not keep."""
+    per token), by default without the s x s scores, which the fused kernel the model runs does not keep;
+    ``sparse``: a block with experts (sparse_mlp_stored_tensors)."""
     if recompute not in ALL_MODES:
         raise ValueError(f"recompute must be one of {ALL_MODES}, got {recompute!r}")
     rows = layer_stored_tensors(model, tensor_parallel_size, sequence_parallel=sequence_parallel,
-                                attention_scores_stored=attention_scores_stored, micro_batch=micro_batch)
+                                attention_scores_stored=attention_scores_stored, micro_batch=micro_batch,
+                                sparse=sparse, expert_parallel_size=expert_parallel_size)
     tokens = model.seq_length * micro_batch
     return tokens * sum(row.bytes_per_token for row in rows if recompute in row.modes)
 
@@ -222,25 +298,36 @@ class StageActivations:
 
 def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int, *,
                       sequence_parallel: bool = False, recompute: str | None = None,
-                      attention_scores_stored: bool = False, pipeline_parallel_size: int | None = None
-                      ) -> StageActivations:
+                      attention_scores_stored: bool = False, pipeline_parallel_size: int | None = None,
+                      expert_parallel_size: int = 1) -> StageActivations:
     """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied over
-    the 1F1B stages of ``pipeline_parallel_size`` (default: the stage's own blocks are one such stage)."""
+    the 1F1B stages of ``pipeline_parallel_size`` (default: the stage's own blocks are one such stage). A
+    Mixture-of-Experts model's blocks are summed one by one, each sparse or dense (model.moe.is_sparse), the
+    working set the largest recomputed one."""
     recompute = model.recompute if recompute is None else recompute
     s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
     u = 1.0 / t if sequence_parallel else 1.0
     dtype = DTYPE_BYTES[model.precision]
 
-    def layer(mode: str) -> float:
+    def layer(mode: str, sparse: bool = False) -> float:
         return layer_activation_bytes(model, b, t, sequence_parallel=sequence_parallel, recompute=mode,
-                                      attention_scores_stored=attention_scores_stored)
+                                      attention_scores_stored=attention_scores_stored, sparse=sparse,
+                                      expert_parallel_size=expert_parallel_size)
 
-    blocks = transformer_layers(count)
-    recomputing = recomputing_blocks(model, count, recompute, pipeline_parallel_size)
-    stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
+    if model.moe is None:
+        blocks = transformer_layers(count)
+        recomputing = recomputing_blocks(model, count, recompute, pipeline_parallel_size)
+        stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
+        recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
+    else:
+        groups = pipeline_parallel_size or (model.num_layers // len(count.blocks) if count.blocks else 1)
+        recomputes = {n: recompute != "none" and model.recomputes_block(n, groups) for n in count.blocks}
+        stored = sum(layer(recompute if recomputes[n] else "none", model.moe.is_sparse(n)) for n in count.blocks)
+        recomputed = max((layer("none", model.moe.is_sparse(n))
+                          - (0.0 if recompute == "full" else layer(recompute, model.moe.is_sparse(n)))
+                          for n in count.blocks if recomputes[n]), default=0.0)
     stage_input = hidden_tensor_bytes(model, b) * u
     first_stage_mask = s * b * h * u if count.stage == 0 and model.hidden_dropout > 0 else 0
-    recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
     head = head_held = 0.0
     if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
         norm = s * b * sum(row.bytes_per_token for row in _norm_rows(model, h * u, "final norm"))
@@ -264,11 +351,11 @@ class StageMemory:
     gradient_accumulation: int
     """BF16_Optimizer's fp32 buffer, full size."""
     gradient_partition: int
-    """The ZeRO optimizer's fp32 gradient partition (1/DP)."""
+    """The ZeRO optimizer's fp32 gradient partition (1/DP; a Mixture-of-Experts model's experts 1/(DP/EP))."""
     master_weights: int
-    """fp32, 1/DP (ZeRO-1)."""
+    """fp32, 1/DP (ZeRO-1; the experts 1/(DP/EP): planner.experts)."""
     adam_states: int
-    """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1)."""
+    """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1; the experts 1/(DP/EP))."""
     micro_batches_held: int
     """1F1B: min(p - stage, m). DualPipeV: of both stages together, where the rank's activations peak."""
     activations_per_micro_batch: int
@@ -316,6 +403,13 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
     """The bytes of one GPU of pipeline rank ``count.stage`` (under DualPipeV its two stages, ``count.phases``)."""
     model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    ep = config.parallelism.expert_parallel_size
+    # ZeRO-1 shards: the dense parameters over DP, the experts over the expert-data-parallel group (d / EP ranks)
+    experts = expert_parameters_of(count)
+
+    def sharded(bytes_per_parameter: int) -> int:
+        return bytes_per_parameter * (n - experts) // d + bytes_per_parameter * experts // (d // ep)
+
     hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size)
     # the received activation and gradient: the sequence shard with SP, else the whole tensor
     received = hidden_tensor / tp if config.parallelism.sequence_parallel else hidden_tensor
@@ -324,7 +418,7 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
         return stage_activations(model, c, config.micro_batch_size, tp,
                                  sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
                                  attention_scores_stored=assumptions.attention_scores_stored,
-                                 pipeline_parallel_size=pp)
+                                 pipeline_parallel_size=pp, expert_parallel_size=ep)
 
     if count.phases:  # DualPipeV: what the rank's instruction stream keeps (module docstring)
         totals = {}
@@ -348,8 +442,8 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
                      else layout.reduce_bucket_elements * layout.grad_bytes)
     return StageMemory(
         stage=count.stage, parameters=n, weights=layout.weight_bytes * n, gradients=layout.grad_bytes * n,
-        gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=layout.partition_grad_bytes * n // d,
-        master_weights=4 * n // d, adam_states=8 * n // d, micro_batches_held=held,
+        gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=sharded(layout.partition_grad_bytes),
+        master_weights=sharded(4), adam_states=sharded(8), micro_batches_held=held,
         activations_per_micro_batch=per_micro_batch, activations_working_set=working_set,
         activations=totals[model.recompute], activations_none=totals["none"],
         activations_selective=totals["selective"], activations_full=totals["full"],

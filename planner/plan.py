@@ -1,7 +1,9 @@
 """The plan for one cluster size: errors (impossible) and warnings, memory per stage, iteration and training time.
 
 ``plan_cluster`` composes the other modules: the ramp checked against DP (planner.ramp), the memory of every stage
-(planner.memory), the iteration at the ramp's first and full batch (planner.timing) and the whole training.
+(planner.memory), the iteration at the ramp's first and full batch (planner.timing) and the whole training. A
+Mixture-of-Experts model's EP is checked against its experts and DP first (one error naming
+parallelism.expert_parallel_size and the sizes that divide), and its plan carries ExpertFigures (planner.experts).
 """
 
 from __future__ import annotations
@@ -11,15 +13,47 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import set_option
+from model.config import check_expert_parallel, set_option
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
+from model.summary import analytic_active_parameters, analytic_total_parameters
 from planner.checkpointing import CheckpointCost, Storage, checkpoint_cost
+from planner.experts import all_to_all_bytes, expert_group_spans_nodes, expert_parameters_of
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory, stage_memory
 from planner.ramp import TrainingTime, ramp_sizes_not_dividing, suggest_ramp, training_time
 from planner.timing import IterationTime, iteration_time
 from training.config import RunConfig
 from training.schedules import BatchRamp
+
+
+@dataclass(frozen=True)
+class ExpertFigures:
+    """What a plan says of a Mixture-of-Experts model's experts (planner/experts.py), per GPU."""
+
+    expert_parallel_size: int
+    expert_data_parallel_size: int
+    """d / EP: the ranks holding the same experts, over which their optimizer states are sharded."""
+    num_experts: int
+    experts_per_gpu: int
+    """E / EP local experts of each sparse block."""
+    top_k: int
+    sparse_blocks: int
+    total_parameters: int
+    """One replica with every expert (model.summary.analytic_total_parameters)."""
+    active_parameters: int
+    """What one token uses: top_k experts of each sparse block (model.summary.analytic_active_parameters)."""
+    expert_parameters_per_gpu: int
+    """The peak stage's local experts (N^e_i), of its parameters_per_tp_rank."""
+    all_to_all_bytes: float
+    """One all-to-all of one sparse block's micro-batch, per GPU: e k' s b h (EP - 1) / EP."""
+    all_to_all_spans_nodes: bool
+    """An EP group leaves its node: the all-to-all is timed at InfiniBand, else NVLink."""
+    all_to_all_seconds: float
+    """Per full-batch iteration (IterationTime.expert_all_to_all)."""
+    all_to_all_share: float
+    """Of the full-batch iteration."""
+    mfu_active: float
+    """The full batch's MFU, on the active parameters' FLOPs (IterationTime.mfu)."""
 
 
 @dataclass
@@ -46,6 +80,8 @@ class Plan:
     training: TrainingTime | None = None
     measured: dict[str, float] | None = None
     checkpoint: CheckpointCost | None = None
+    experts: ExpertFigures | None = None
+    """A Mixture-of-Experts model's figures (None for a dense model, and then absent from --json)."""
 
     @property
     def ok(self) -> bool:
@@ -140,6 +176,11 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         plan.errors.append(f"data parallelism is not a whole number: {nodes} nodes x {hardware.gpus_per_node} GPUs = "
                            f"{error}; use a multiple of {step} nodes")
         return plan
+    try:  # EP against the experts and DP: one line naming the field and the choices (model/config.py)
+        check_expert_parallel(config.model.moe, config.parallelism.expert_parallel_size, plan.data_parallel_size)
+    except ValueError as error:
+        plan.errors.append(str(error))
+        return plan
     if tp > hardware.gpus_per_node:
         plan.warnings.append(f"tensor parallelism {tp} spans nodes of {hardware.gpus_per_node} GPUs: its all-reduces "
                              f"are timed over InfiniBand")
@@ -177,4 +218,26 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         plan.warnings.append(f"a checkpoint takes {plan.checkpoint.write_seconds:.0f} s to write, more than "
                              f"training.save_interval = {config.training.save_interval} iterations: each save waits "
                              f"for the previous one; raise save_interval or the storage bandwidth")
+    if config.model.moe is not None:
+        plan.experts = expert_figures(config, parameters, plan, hardware)
     return plan
+
+
+def expert_figures(config: RunConfig, parameters: ParameterCounts, plan: Plan, hardware: Hardware) -> ExpertFigures:
+    """The experts' figures of a finished plan of a Mixture-of-Experts model (planner/experts.py)."""
+    moe, ep, d = config.model.moe, config.parallelism.expert_parallel_size, plan.data_parallel_size
+    peak, full = plan.peak_memory(), plan.full_batch
+    peak_count = next(c for c in parameters.stages if c.stage == peak.stage)
+    return ExpertFigures(
+        expert_parallel_size=ep, expert_data_parallel_size=d // ep, num_experts=moe.num_experts,
+        experts_per_gpu=moe.num_experts // ep, top_k=moe.top_k,
+        sparse_blocks=sum(moe.is_sparse(n) for n in range(1, config.model.num_layers + 1)),
+        total_parameters=analytic_total_parameters(config.model, config.parallelism.tensor_parallel_size),
+        active_parameters=analytic_active_parameters(config.model, config.parallelism.tensor_parallel_size),
+        expert_parameters_per_gpu=expert_parameters_of(peak_count),
+        all_to_all_bytes=all_to_all_bytes(config.model, config.micro_batch_size, ep),
+        all_to_all_spans_nodes=expert_group_spans_nodes(
+            config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size, d, ep,
+            hardware.gpus_per_node),
+        all_to_all_seconds=full.expert_all_to_all, all_to_all_share=full.expert_all_to_all / full.seconds,
+        mfu_active=full.mfu)

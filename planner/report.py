@@ -22,6 +22,11 @@ JSON (``tools/plan.py --json``): one object
         layouts: [Layout fields + peak_memory_bytes, peak_memory_gib, iteration_seconds, tflops_per_gpu, hfu, mfu]}
     Bytes are integers, times seconds, FLOPs floats. An impossible plan has errors and null figures where they
     cannot be computed.
+    A Mixture-of-Experts model (model.moe) adds keys, a dense model's documents have none of them (EXPERT_KEYS):
+    parameters.stages[] expert_parameters_per_tp_rank, sparse_blocks, local_experts (planner.experts
+    .ExpertStageCount); each plan's experts: ExpertFigures fields | null; expert_all_to_all (seconds) in
+    first_batch, full_batch and their micro_batch; with --search, each layout's expert_parallel_size and
+    expert_all_to_all (seconds of the full batch). mfu then counts the active parameters' FLOPs.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import textwrap
 from typing import Any
 
 from model.config import ModelConfig, set_option
-from model.summary import StageCount
+from model.summary import StageCount, analytic_active_parameters, analytic_total_parameters
 from planner.checkpointing import CheckpointCost, Storage
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory
@@ -46,8 +51,23 @@ SCHEMA_VERSION = 2
 docs/planning.md ("The --json schema"); a new key does not."""
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    return dataclasses.asdict(plan)
+EXPERT_KEYS = ("experts", "expert_all_to_all", "expert_parallel_size")
+"""Keys only a Mixture-of-Experts model's documents carry: a dense model's --json stays as it was."""
+
+
+def _without_expert_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_expert_keys(v) for key, v in value.items() if key not in EXPERT_KEYS}
+    if isinstance(value, list):
+        return [_without_expert_keys(v) for v in value]
+    return value
+
+
+def plan_to_dict(plan: Plan, experts: bool | None = None) -> dict[str, Any]:
+    """The plan's fields; the MoE ones (EXPERT_KEYS) only for a Mixture-of-Experts model (``experts``; default:
+    whether the plan has expert figures)."""
+    document = dataclasses.asdict(plan)
+    return document if (plan.experts is not None if experts is None else experts) else _without_expert_keys(document)
 
 
 def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptions, parameters: ParameterCounts,
@@ -58,14 +78,18 @@ def report_to_dict(config: RunConfig, hardware: Hardware, assumptions: Assumptio
             "deepspeed": dataclasses.asdict(deepspeed_layout(config)),
             "parameters": dataclasses.asdict(parameters),
             "compute_optimal": dataclasses.asdict(compute_optimal(config, parameters)),
-            "plans": [plan_to_dict(p) for p in plans]}
+            "plans": [plan_to_dict(p, config.model.moe is not None) for p in plans]}
 
 
-def layout_result_to_dict(result: LayoutResult) -> dict[str, Any]:
+def layout_result_to_dict(result: LayoutResult, experts: bool = False) -> dict[str, Any]:
+    """One searched layout; ``experts`` (a Mixture-of-Experts model) adds its EP and the all-to-all's seconds."""
     t = result.full_batch
-    return {**dataclasses.asdict(result.layout), "peak_memory_bytes": result.peak_memory_bytes,
-            "peak_memory_gib": result.peak_memory_bytes / GIB, "iteration_seconds": t.seconds,
-            "tflops_per_gpu": t.tflops_per_gpu, "hfu": t.hfu, "mfu": t.mfu}
+    document = {**dataclasses.asdict(result.layout), "peak_memory_bytes": result.peak_memory_bytes,
+                "peak_memory_gib": result.peak_memory_bytes / GIB, "iteration_seconds": t.seconds,
+                "tflops_per_gpu": t.tflops_per_gpu, "hfu": t.hfu, "mfu": t.mfu}
+    if experts:
+        return {**document, "expert_all_to_all": t.expert_all_to_all}
+    return _without_expert_keys(document)
 
 
 def search_to_dict(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions, tried: int,
@@ -74,8 +98,8 @@ def search_to_dict(config: RunConfig, nodes: int, hardware: Hardware, assumption
     return {"schema_version": SCHEMA_VERSION, "config": config.source, "nodes": nodes, "gpus": nodes * hardware.gpus_per_node,
             "gpu": dataclasses.asdict(hardware), "assumptions": dataclasses.asdict(assumptions),
             "ranked_by": "full-batch iteration seconds", "layouts_tried": tried, "layouts_fitting": len(results),
-            "best": layout_result_to_dict(results[0]) if results else None,
-            "layouts": [layout_result_to_dict(r) for r in results[:top]]}
+            "best": layout_result_to_dict(results[0], config.model.moe is not None) if results else None,
+            "layouts": [layout_result_to_dict(r, config.model.moe is not None) for r in results[:top]]}
 
 
 def _wrap(text: str, indent: str = "") -> str:
@@ -138,18 +162,46 @@ def format_header(config: RunConfig, hardware: Hardware, assumptions: Assumption
         f"({'Korthikanti et al.' if assumptions.attention_scores_stored else 'fused SDPA kernel'})",
         FLOPS_CONVENTION,
     ]
+    # a Mixture-of-Experts model is counted from its config at the run's EP (planner/experts.py): a GPU's parameters
+    # and, of them, its experts
+    experts = model.moe is not None
+    columns = ("one EP rank", "its experts") if experts else ("meta device", "analytic")
     lines = [_wrap(line) for line in prose] + [
         "",
-        f"{'parameters per TP rank':<24} {'layers':<54} {'meta device':>15} {'analytic':>15}",
+        f"{'parameters per TP rank':<24} {'layers':<54} {columns[0]:>15} {columns[1]:>15}",
     ]
     for first, last, c in _stage_runs(parameters.stages):
         name = f"stage {first}" if first == last else f"stages {first}-{last}"
-        lines.append(f"  {name:<22} {_layer_names(c.layers):<54} {c.parameters_per_tp_rank:>15,} "
-                     f"{c.analytic_per_tp_rank:>15,}")
+        second = c.expert_parameters_per_tp_rank if experts else c.analytic_per_tp_rank
+        lines.append(f"  {name:<22} {_layer_names(c.layers):<54} {c.parameters_per_tp_rank:>15,} {second:>15,}")
+    if experts:
+        lines += [_wrap(line, "  ") for line in format_experts_header(config)]
+        return "\n".join(lines + ["", format_compute_optimal(compute_optimal(config, parameters))])
     same = "equal" if parameters.total == parameters.analytic_total else "DIFFERENT"
     lines.append(f"  total, tied embedding once: {parameters.total:,} from the modules, {parameters.analytic_total:,} "
                  f"analytic ({same})")
     return "\n".join(lines + ["", format_compute_optimal(compute_optimal(config, parameters))])
+
+
+def format_experts_header(config: RunConfig) -> list[str]:
+    """A Mixture-of-Experts model's experts, its EP, and its total and active parameters."""
+    model, ep = config.model, config.parallelism.expert_parallel_size
+    moe, tp = model.moe, config.parallelism.tensor_parallel_size
+    sparse = sum(moe.is_sparse(n) for n in range(1, model.num_layers + 1))
+    total, active = analytic_total_parameters(model, tp), analytic_active_parameters(model, tp)
+    shared = f", a shared expert of ffn {moe.shared_expert_ffn_hidden_size:,}" if moe.shared_expert_ffn_hidden_size \
+        else ""
+    capacity = "dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor:g}"
+    return [
+        f"experts: {sparse} of {model.num_layers} blocks sparse, {moe.num_experts} experts of ffn "
+        f"{moe.moe_ffn_hidden_size:,}, top {moe.top_k}{shared}, {capacity}, router {moe.router}; EP {ep}: "
+        f"{moe.num_experts // ep} expert{'s' if moe.num_experts // ep > 1 else ''} per GPU in each sparse block "
+        f"(counted from the config at this EP: a GPU "
+        f"holds only its own experts)",
+        f"parameters: {total:,} total ({_count(total)}, every expert once, the vocabulary padded for TP {tp}), "
+        f"{active:,} active per token ({_count(active)}, {active / total:.1%}); FLOPs, TFLOP/s and MFU count the "
+        f"active parameters (model/flops.py, as Megatron-LM does)",
+    ]
 
 
 def _count(number: float) -> str:
@@ -231,19 +283,36 @@ def format_time(plan: Plan) -> str:
              f"  {'pipeline schedule':<30}" + "".join(f"{SCHEDULE_LABELS[t.schedule]:>20}"
                                                       for t in columns),
              f"  {'bubble / compute':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
-    for name in TIME_ROWS:
+    experts = plan.experts is not None
+    for name in TIME_ROWS + (("expert_all_to_all",) if experts else ()):
         lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
             f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))
     lines.append(f"  {'total':<30}" + "".join(f"{t.seconds:>20.3f}" for t in columns))
     lines.append(f"  {'TFLOP/s per GPU (HFU)':<30}" + "".join(
         f"{t.tflops_per_gpu:>11.1f} ({t.hfu:>5.1%})" for t in columns))
-    lines.append(f"  {'MFU (model FLOPs)':<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
+    mfu = "MFU (active FLOPs)" if experts else "MFU (model FLOPs)"
+    lines.append(f"  {mfu:<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
     slot = plan.full_batch.micro_batch
+    all_to_all = f", all-to-all {slot.expert_all_to_all * 1e3:.1f}" if experts else ""
     lines.append(f"  slowest {'rank' if plan.schedule == 'dualpipev' else 'stage'} {slot.stage}: "
                  f"{slot.total * 1e3:.1f} ms per micro-batch slot (compute "
                  f"{slot.compute * 1e3:.1f}, TP {slot.tensor_parallel * 1e3:.1f}, p2p {slot.pipeline_p2p * 1e3:.1f}, "
-                 f"fp32 accumulation {slot.gradient_accumulation * 1e3:.1f})")
+                 f"fp32 accumulation {slot.gradient_accumulation * 1e3:.1f}{all_to_all})")
     return "\n".join(lines)
+
+
+def format_experts(plan: Plan) -> str:
+    """A Mixture-of-Experts plan's expert figures (planner/experts.py)."""
+    x = plan.experts
+    link = "InfiniBand: an EP group spans nodes" if x.all_to_all_spans_nodes else "NVLink: every EP group in a node"
+    return _wrap(
+        f"experts: EP {x.expert_parallel_size}, {x.experts_per_gpu} of {x.num_experts} experts per GPU in each of the "
+        f"{x.sparse_blocks} sparse blocks (top {x.top_k}); {x.expert_parameters_per_gpu:,} expert parameters on a GPU "
+        f"of the peak stage, their optimizer states sharded over {x.expert_data_parallel_size} expert-data-parallel "
+        f"ranks (DP / EP); all-to-all {x.all_to_all_bytes / 2**20:.1f} MiB per GPU per dispatch or combine, "
+        f"{x.all_to_all_seconds:.3f} s per iteration ({x.all_to_all_share:.1%}) over {link}; parameters "
+        f"{_count(x.active_parameters)} active of {_count(x.total_parameters)} total; MFU on active FLOPs "
+        f"{x.mfu_active:.1%}", "  ")
 
 
 def format_plan(plan: Plan) -> str:
@@ -260,6 +329,8 @@ def format_plan(plan: Plan) -> str:
                            f"{f['first_batch_model']:.4g}; batch {plan.full_batch.global_batch}: "
                            f"{f['full_batch']:.4g} / {f['full_batch_model']:.4g}", "  "))
         lines.append(format_time(plan))
+        if plan.experts is not None:
+            lines.append(format_experts(plan))
         lines.append(format_training(plan))
     if plan.checkpoint is not None:
         lines.append(format_checkpoint(plan.checkpoint))
@@ -312,28 +383,35 @@ def format_comparison(plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def _layout_row(rank: int | str, result: LayoutResult) -> str:
+def _layout_row(rank: int | str, result: LayoutResult, experts: bool = False) -> str:
+    """One ranked layout; ``experts`` (a Mixture-of-Experts model) adds EP and the all-to-all's share."""
     layout, t = result.layout, result.full_batch
     layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
+    ep = f" {layout.expert_parallel_size:>3}" if experts else ""
+    share = f" {t.expert_all_to_all / t.seconds:>6.1%}" if experts else ""
     return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
-            f"{layout.data_parallel_size:>5} {layout.micro_batch_size:>6} {'on' if layout.sequence_parallel else 'off':>4} "
+            f"{layout.data_parallel_size:>5}{ep} {layout.micro_batch_size:>6} "
+            f"{'on' if layout.sequence_parallel else 'off':>4} "
             f"{layout.recompute:>10} {layers!s:>9} {SCHEDULE_LABELS[layout.pipeline_schedule]:>10} "
             f"{result.peak_memory_bytes / GIB:>9.2f} {t.seconds:>8.2f} "
-            f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}")
+            f"{t.tflops_per_gpu:>8.1f} {t.mfu:>6.1%}{share}")
 
 
-def describe_layout(result: LayoutResult) -> str:
-    layout = result.layout
+def describe_layout(result: LayoutResult, experts: bool = False) -> str:
+    layout, t = result.layout, result.full_batch
     blocks = "all" if layout.recompute_num_layers is None else str(layout.recompute_num_layers)
     recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
-    return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}, "
-            f"micro-batch {layout.micro_batch_size}, sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
-            f"recompute {recompute}, {SCHEDULE_LABELS[layout.pipeline_schedule]}: "
-            f"{result.full_batch.seconds:.2f} s per iteration, "
-            f"{result.peak_memory_bytes / GIB:.2f} GiB peak, MFU {result.full_batch.mfu:.1%}")
+    ep = f" (EP {layout.expert_parallel_size})" if experts else ""
+    all_to_all = f", all-to-all {t.expert_all_to_all / t.seconds:.1%} of it" if experts else ""
+    mfu = "MFU on active FLOPs" if experts else "MFU"
+    return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}"
+            f"{ep}, micro-batch {layout.micro_batch_size}, sequence parallelism "
+            f"{'on' if layout.sequence_parallel else 'off'}, recompute {recompute}, "
+            f"{SCHEDULE_LABELS[layout.pipeline_schedule]}: {t.seconds:.2f} s per iteration{all_to_all}, "
+            f"{result.peak_memory_bytes / GIB:.2f} GiB peak, {mfu} {t.mfu:.1%}")
 
 
-def layout_settings(layout: Layout) -> str:
+def layout_settings(layout: Layout, experts: bool = False) -> str:
     """The --set options that give a run config this layout."""
     settings = {"parallelism.tensor_parallel_size": layout.tensor_parallel_size,
                 "parallelism.pipeline_parallel_size": layout.pipeline_parallel_size,
@@ -342,6 +420,8 @@ def layout_settings(layout: Layout) -> str:
                 "parallelism.pipeline_schedule": layout.pipeline_schedule}
     if layout.recompute_num_layers is not None:
         settings["model.recompute_num_layers"] = layout.recompute_num_layers
+    if experts:
+        settings["parallelism.expert_parallel_size"] = layout.expert_parallel_size
     return " ".join(set_option(path, value) for path, value in settings.items())
 
 
@@ -353,8 +433,11 @@ def format_search(config: RunConfig, nodes: int, hardware: Hardware, tried: int,
                    f"(batch {config.global_batch_size}) iteration time. {FLOPS_CONVENTION}"), ""]
     if not results:
         return "\n".join(lines + ["no layout fits"])
-    lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5} {'micro':>6} {'SP':>4} {'recompute':>10} "
-                 f"{'n layers':>9} {'schedule':>10} {'peak GiB':>9} {'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}")
-    lines += [_layout_row(rank, r) for rank, r in enumerate(results[:top], start=1)]
-    lines += ["", _wrap(f"best: {describe_layout(results[0])}. As settings: {layout_settings(results[0].layout)}")]
+    experts = config.model.moe is not None  # EP and the all-to-all's share of the iteration as columns
+    lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5}" + (f" {'EP':>3}" if experts else "")
+                 + f" {'micro':>6} {'SP':>4} {'recompute':>10} {'n layers':>9} {'schedule':>10} {'peak GiB':>9} "
+                 f"{'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}" + (f" {'a2a':>6}" if experts else ""))
+    lines += [_layout_row(rank, r, experts) for rank, r in enumerate(results[:top], start=1)]
+    lines += ["", _wrap(f"best: {describe_layout(results[0], experts)}. As settings: "
+                        f"{layout_settings(results[0].layout, experts)}")]
     return "\n".join(lines)

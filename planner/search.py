@@ -7,7 +7,9 @@ Search (``search_layouts``, tools/plan.py --search, one node count)
     TP > 1 and TP divides the sequence; recompute "none", and "selective" and "full" on all blocks of each stage or
     on n of them (every n when a stage has <= 8 blocks, else 7 spread); the pipeline schedule "1f1b", and
     "dualpipev" where PP >= 2, each rank holds at least 2 blocks and the full batch gives at least 2 PP
-    micro-batches per pipeline. The layouts that fit are ranked by their
+    micro-batches per pipeline. A Mixture-of-Experts model (model.moe): TP also dividing the experts' widths, and
+    every such layout at each expert-parallel size EP dividing both the experts and DP (planner.experts,
+    expert_parallel_choices); a dense model's layouts are EP 1, as before. The layouts that fit are ranked by their
     predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
 """
 
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from model.summary import StageCount, count_stages
+from planner.experts import count_expert_stages, expert_parallel_choices
 from planner.hardware import Assumptions, Hardware, deepspeed_layout
 from planner.memory import stage_memory
 from planner.timing import IterationTime, iteration_time
@@ -37,6 +40,8 @@ class Layout:
     recompute_num_layers: int | None
     """Blocks of each stage that recompute; None: all of them (and with recompute "none")."""
     pipeline_schedule: str = "1f1b"
+    expert_parallel_size: int = 1
+    """A Mixture-of-Experts model's EP (1 for a dense model; then absent from --json)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ def layout_config(config: RunConfig, layout: Layout) -> RunConfig:
     parallelism = dataclasses.replace(config.parallelism, tensor_parallel_size=layout.tensor_parallel_size,
                                       pipeline_parallel_size=layout.pipeline_parallel_size,
                                       sequence_parallel=layout.sequence_parallel,
-                                      pipeline_schedule=layout.pipeline_schedule)
+                                      pipeline_schedule=layout.pipeline_schedule,
+                                      expert_parallel_size=layout.expert_parallel_size)
     deepspeed = {**config.deepspeed, "train_micro_batch_size_per_gpu": layout.micro_batch_size}
     return dataclasses.replace(config, model=model, parallelism=parallelism, deepspeed=deepspeed)
 
@@ -74,11 +80,15 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
     """TP dividing the heads, key/value heads and FFN, up to a node; PP dividing the layers with TP x PP dividing the
     GPUs; micro-batches 1, 2, 4, 8 that split the full batch over DP; SP on or off (on: TP > 1 and a sequence that
     divides); recompute none, selective and full, the latter two on some or all blocks of each stage; 1F1B, and
-    DualPipeV where it can run (module docstring)."""
+    DualPipeV where it can run; a Mixture-of-Experts model's experts' widths divided by TP, and each layout at every
+    EP dividing both the experts and DP (module docstring)."""
     model, batch = config.model, config.global_batch_size
+    widths = () if model.moe is None else (model.moe.moe_ffn_hidden_size, model.moe.shared_expert_ffn_hidden_size)
     layouts = []
     for tp in range(1, gpus_per_node + 1):
         if model.num_attention_heads % tp or model.num_key_value_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        if any(width % tp for width in widths):
             continue
         for pp in (p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0 and gpus % (tp * p) == 0):
             dp = gpus // (tp * pp)
@@ -89,7 +99,8 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
                     schedules = ["1f1b"]
                     if pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp:
                         schedules.append("dualpipev")
-                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule)
+                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule, ep)
+                                for ep in expert_parallel_choices(model, dp)
                                 for schedule in schedules for mode, n in modes]
     return layouts
 
@@ -107,23 +118,28 @@ def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumption
                    counts: Callable[[int, int, str], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
     """Every candidate layout at ``nodes``: (how many were tried, those that fit, fastest full-batch iteration
     first). ``counts(tp, pp, schedule)`` gives the ranks' parameter counts (default: count_stages, once per (tp, pp,
-    schedule))."""
-    cache: dict[tuple[int, int, str], list[StageCount]] = {}
+    schedule)); for a Mixture-of-Experts model ``counts(tp, pp, schedule, ep)`` (default:
+    planner.experts.count_expert_stages, once per (tp, pp, schedule, ep))."""
+    cache: dict[tuple, list[StageCount]] = {}
+    experts = config.model.moe is not None
 
-    def default_counts(tp: int, pp: int, schedule: str) -> list[StageCount]:
+    def default_counts(tp: int, pp: int, schedule: str, *ep: int) -> list[StageCount]:
+        if experts:
+            return count_expert_stages(config.model, tp, pp, *ep, pipeline_schedule=schedule)
         return count_stages(config.model, tp, pp, pipeline_schedule=schedule)
 
-    def stages(tp: int, pp: int, schedule: str) -> list[StageCount]:
-        if (tp, pp, schedule) not in cache:
-            full = (counts or default_counts)(tp, pp, schedule)
-            cache[(tp, pp, schedule)] = _distinct_stages(full)
-        return cache[(tp, pp, schedule)]
+    def stages(tp: int, pp: int, schedule: str, ep: int) -> list[StageCount]:
+        key = (tp, pp, schedule, ep) if experts else (tp, pp, schedule)
+        if key not in cache:
+            cache[key] = _distinct_stages((counts or default_counts)(*key))
+        return cache[key]
 
     layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node)
     results = []
     for layout in layouts:
         candidate = layout_config(config, layout)
-        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.pipeline_schedule)
+        chosen = stages(layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.pipeline_schedule,
+                        layout.expert_parallel_size)
         ds_layout, d = deepspeed_layout(candidate), layout.data_parallel_size
         m = config.global_batch_size // (layout.micro_batch_size * d)
         peak = max((stage_memory(candidate, ds_layout, c, d, m, hardware, assumptions) for c in chosen),

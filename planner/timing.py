@@ -27,6 +27,10 @@ Time of one iteration at global batch B
         pipeline_p2p = 4 blocking transfers of e s b h / t (receive/send activation, receive/send gradient; 2 on the
                        first and last stage) and, with pipe_partitioned and no SP, an all-gather over TP to rebuild
                        each received tensor; with SP the shard is the tensor, nothing to rebuild.
+        expert_all_to_all (model.moe only) = (4 + 2 if fully recomputed) all-to-alls of e k' s b h (EP - 1) / EP
+                       bytes per sparse block, at NVLink or, when an EP group spans nodes, InfiniBand
+                       (planner/experts.py, which also splits the DP reduction, the step and the all-gather of the
+                       experts over d / EP ranks).
         gradient_accumulation (BF16_Optimizer) = 12 N_i bytes of HBM traffic (zero the bf16 grads, read them, read
                        and write the fp32 buffer).
     The 1F1B pipeline runs (m + p - 1) slots of the slowest stage: m slots of work and p - 1 of bubble, a bubble
@@ -63,6 +67,12 @@ from model.flops import (
     tflops_per_gpu,
 )
 from model.summary import StageCount
+from planner.experts import (
+    all_to_all_bytes,
+    all_to_alls_per_micro_batch,
+    expert_group_spans_nodes,
+    expert_parameters_of,
+)
 from planner.hardware import Assumptions, DeepSpeedLayout, Hardware
 from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
 from planner.pipeline_schedule import pipeline_bubble
@@ -91,10 +101,12 @@ class Rates:
     data_parallel_bytes_per_s: float
     """InfiniBand; NVLink if a DP group fits in a node (TP x DP <= GPUs per node: DP ranks are TP apart)."""
     hbm_bytes_per_s: float
+    expert_parallel_bytes_per_s: float = 0.0
+    """The MoE all-to-all's: NVLink, InfiniBand if an EP group spans nodes (planner.experts)."""
 
 
 def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_parallel_size: int,
-                    pipeline_parallel_size: int, data_parallel_size: int) -> Rates:
+                    pipeline_parallel_size: int, data_parallel_size: int, expert_parallel_size: int = 1) -> Rates:
     nvlink = hardware.nvlink_gbytes_per_s / 2 * 1e9 * assumptions.comm_efficiency
     infiniband = hardware.ib_gbits_per_s / 8 * 1e9 * assumptions.comm_efficiency
     node = hardware.gpus_per_node
@@ -106,7 +118,9 @@ def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_paralle
     return Rates(flops_per_s=hardware.peak_tflops * 1e12 * assumptions.matmul_efficiency,
                  tensor_parallel_bytes_per_s=link(tp), pipeline_bytes_per_s=link(tp * dp * pipeline_parallel_size),
                  data_parallel_bytes_per_s=link(tp * dp),
-                 hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency)
+                 hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency,
+                 expert_parallel_bytes_per_s=infiniband if expert_group_spans_nodes(
+                     tp, pipeline_parallel_size, dp, expert_parallel_size, node) else nvlink)
 
 
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
@@ -140,11 +154,13 @@ class MicroBatchTime:
     tensor_parallel: float
     pipeline_p2p: float
     gradient_accumulation: float
+    expert_all_to_all: float = 0.0
+    """A Mixture-of-Experts model's dispatch and combine over the EP group (planner.experts); 0 for a dense one."""
     total: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "total",
-                           self.compute + self.tensor_parallel + self.pipeline_p2p + self.gradient_accumulation)
+        object.__setattr__(self, "total", self.compute + self.tensor_parallel + self.pipeline_p2p
+                           + self.gradient_accumulation + self.expert_all_to_all)
 
 
 def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool,
@@ -180,7 +196,17 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
         compute=stage_flops_per_micro_batch(model, count, b, tp, pipeline_parallel_size=pp) / rates.flops_per_s,
         tensor_parallel=all_reduces * ring_all_reduce_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s),
         pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
-        gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s)
+        gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s,
+        expert_all_to_all=all_to_alls_per_micro_batch(model, count, pp) * all_to_all_seconds(
+            model, b, config.parallelism.expert_parallel_size, rates))
+
+
+def all_to_all_seconds(model: ModelConfig, micro_batch: int, expert_parallel_size: int, rates: Rates) -> float:
+    """One all-to-all of a sparse block's micro-batch: e k' T h (P - 1) / P bytes per GPU at the EP group's link
+    (planner.experts); 0 at EP 1."""
+    if expert_parallel_size <= 1:
+        return 0.0
+    return all_to_all_bytes(model, micro_batch, expert_parallel_size) / rates.expert_parallel_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -216,7 +242,10 @@ class IterationTime:
     hfu: float
     """tflops_per_gpu / peak: hardware FLOPs utilisation."""
     mfu: float
-    """Model FLOPs per second per GPU / peak: PaLM's MFU, no recompute counted (the trainer's "mfu")."""
+    """Model FLOPs per second per GPU / peak: PaLM's MFU, no recompute counted (the trainer's "mfu"); for a
+    Mixture-of-Experts model on the active parameters' FLOPs (model/flops.py), as Megatron-LM counts it."""
+    expert_all_to_all: float = 0.0
+    """m slots of the slowest stage's MoE all-to-all (planner.experts); 0 for a dense model."""
 
 
 @dataclass(frozen=True)
@@ -243,10 +272,15 @@ def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
 
 def partial_gradient_parameters(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> int:
     """Parameters of a stage whose gradients are partial sums over TP (model/layers.py): with SP every replicated
-    one; the per-head q/k norms (2 x (2d | d) per block) with or without SP."""
+    one; the per-head q/k norms (2 x (2d | d) per block) with or without SP; a sparse block's router (E h) and
+    shared-expert gate (h) with or without SP (model/moe.py: every TP rank combines only its partial outputs)."""
     head_norms = 0
     if model.qk_layernorm:
         head_norms = transformer_layers(count) * 2 * (2 if model.norm == "layernorm" else 1) * model.head_dim
+    if model.moe is not None:
+        gate = model.hidden_size if model.moe.shared_expert_ffn_hidden_size else 0
+        head_norms += sum(model.moe.is_sparse(n) for n in count.blocks) * (model.moe.num_experts * model.hidden_size
+                                                                           + gate)
     return head_norms + (sequence_parallel_parameters(model, count) if sequence_parallel else 0)
 
 
@@ -256,21 +290,29 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     tied_grad_bytes = (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes) \
         * model.padded_vocab_size(tp) // tp * model.hidden_size
-    gradients = layout.communication_bytes * n
+    # a Mixture-of-Experts model's experts are reduced, stepped and gathered over the expert-data-parallel group, d /
+    # EP ranks with the DP group's link (planner.experts); the dense parameters over DP
+    experts = expert_parameters_of(first)
+    dense, edp = n - experts, d // config.parallelism.expert_parallel_size
+    gradients, expert_gradients = layout.communication_bytes * dense, layout.communication_bytes * experts
     if layout.optimizer == "BF16_Optimizer":
-        reduce = ring_all_reduce_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+        reduce = (ring_all_reduce_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+                  + ring_all_reduce_seconds(expert_gradients, edp, rates.data_parallel_bytes_per_s))
         full_buffer_passes = 16 * n  # cast to bf16 and back for the all-reduce (12), zero the buffer (4)
     else:
-        reduce = ring_all_gather_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+        reduce = (ring_all_gather_seconds(gradients, d, rates.data_parallel_bytes_per_s)
+                  + ring_all_gather_seconds(expert_gradients, edp, rates.data_parallel_bytes_per_s))
         full_buffer_passes = layout.grad_bytes * n  # zero the .grad
-    adam = (28 + layout.weight_bytes) * n / d
+    adam = (28 + layout.weight_bytes) * dense / d + (28 + layout.weight_bytes) * experts / edp
     # the tied embedding's two ends live on the first and the last stage; under DualPipeV both on rank 0
     tied_ranks = 2 if pp > 1 and model.tie_word_embeddings and not first.phases else 1
     return AfterPipeline(
         tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, tied_ranks, rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,
         optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
-        zero_allgather=ring_all_gather_seconds(layout.weight_bytes * n, d, rates.data_parallel_bytes_per_s),
+        zero_allgather=(ring_all_gather_seconds(layout.weight_bytes * dense, d, rates.data_parallel_bytes_per_s)
+                        + ring_all_gather_seconds(layout.weight_bytes * experts, edp,
+                                                  rates.data_parallel_bytes_per_s)),
         sequence_parallel_reduce=ring_all_reduce_seconds(
             (4 if layout.optimizer == "BF16_Optimizer" else layout.grad_bytes)
             * partial_gradient_parameters(model, first, config.parallelism.sequence_parallel),
@@ -287,7 +329,8 @@ def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[Stag
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     m = global_batch // (config.micro_batch_size * data_parallel_size)
     schedule = schedule_for(config.parallelism.pipeline_schedule, m, pp)
-    rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size)
+    rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size,
+                            config.parallelism.expert_parallel_size)
     slowest_count, slowest = max(((c, micro_batch_time(config, layout, c, rates)) for c in counts),
                                  key=lambda pair: pair[1].total)
     after = after_pipeline_time(config, layout, counts[0], data_parallel_size, rates)
@@ -303,6 +346,8 @@ def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[Stag
     parts = dict(compute=m * slowest.compute, tensor_parallel=m * slowest.tensor_parallel,
                  pipeline_p2p=m * slowest.pipeline_p2p, gradient_accumulation=m * slowest.gradient_accumulation,
                  bubble=bubble, **dataclasses.asdict(after))
+    if config.model.moe is not None:
+        parts["expert_all_to_all"] = m * slowest.expert_all_to_all
     seconds = sum(parts.values())
     flops = flops_per_iteration(config.model, global_batch, tp, pipeline_parallel_size=pp)
     model_flops = model_flops_per_iteration(config.model, global_batch, tp)

@@ -6,9 +6,17 @@
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 70 --gpu h100-80gb --matmul-efficiency 0.5 --json
     python tools/plan.py --ds_config ds_configs/530b.json --nodes 280 --search          # the fastest layouts that fit
 
+A Mixture-of-Experts preset (model.moe) is planned the same way, its expert-parallel size a setting (Mixtral's
+tokenizer ends documents with id 2, which the GPT-2 default data.eod_token_id does not fit):
+
+    python tools/plan.py --ds_config ds_configs/1.3b.json --gpu h100-80gb --nodes 16 --set model.preset='"mixtral-8x7b"' \\
+        --set data.eod_token_id=2 --set train_micro_batch_size_per_gpu=1 --set train_batch_size=1024 \\
+        --set schedule.batch={} --set parallelism.pipeline_parallel_size=4 --set parallelism.expert_parallel_size=8
+
 Results only on stdout (the tables, or JSON with --json); warnings, DeepSpeed's included, on stderr.
---search enumerates layouts at one node count (TP, PP, micro-batch, sequence parallelism, recompute mode and blocks)
-and prints the --top fastest that fit (predicted full-batch iteration time), or them as JSON with --json.
+--search enumerates layouts at one node count (TP, PP, micro-batch, sequence parallelism, recompute mode and blocks,
+and for a Mixture-of-Experts model every expert-parallel size dividing the experts and DP) and prints the --top
+fastest that fit (predicted full-batch iteration time), or them as JSON with --json.
 Exit status 0 when every plan is possible (with --search: when a layout fits); 1 with the reason on stderr when one is not (DP not a whole number, a full
 batch that does not split into micro-batches x DP, memory exceeded) or the input is invalid. Ramp sizes that do not
 split are a warning with a ramp that would. The formulas, constants and the --json schema: planner/.
@@ -77,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(comma-separated): report their TFLOP/s per GPU and MFU")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (schema: planner/report.py)")
     parser.add_argument("--search", action="store_true", help="at one node count, try every layout (TP, PP, "
-                        "micro-batch, sequence parallelism, recompute) and rank those that fit by iteration time")
+                        "micro-batch, sequence parallelism, recompute; EP for a Mixture-of-Experts model) and rank "
+                        "those that fit by iteration time")
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print (10)")
     for flag, name in HARDWARE_FLAGS.items():
         parser.add_argument(flag, type=float, dest=name, help=f"override the preset: {_field_help(Hardware, name)}")
