@@ -12,6 +12,13 @@ On a cluster, each of N jobs tokenises one slice and the shards are merged (the 
     python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix runs/data/corpus --append-eod \\
         --workers 16 --shard $SLURM_ARRAY_TASK_ID/64          # jobs 0..63
     python tools/merge_datasets.py --shards runs/data/corpus  # -> runs/data/corpus_text_document.bin/.idx
+
+Chat ({"messages": [{"role": ..., "content": ...}, ...]}) and prompt/completion ({"prompt": ..., "completion": ...})
+records, with --chat-template and/or --loss-on, are written as tokens plus a loss mask, as TRL's SFTTrainer masks:
+
+    python tools/preprocess_data.py --input data/corpus/chat_demo.jsonl --output-prefix runs/data/chat \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR --chat-template tokenizer
+    # -> runs/data/chat_text_document.bin/.idx (tokens) and runs/data/chat_loss_mask_document.bin/.idx (uint8 0/1)
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data.chat import LOSS_ON
+from data.chat_preprocess import ChatPreprocessConfig, preprocess_chat
 from data.preprocess import INPUT_FORMATS, BadInputError, PreprocessConfig, preprocess
 from data.sharding import parse_shard
 from data.tokenizers import DEFAULT_MERGE_FILE, DEFAULT_VOCAB_FILE, TOKENIZER_BACKENDS, TOKENIZER_TYPES
@@ -62,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
                               help="byte-level BPE engine, same ids either way: tiktoken (about 3x faster) when the "
                                    "vocabulary provably converts exactly, else Hugging Face tokenizers (auto says "
                                    "why); tiktoken refuses a vocabulary that does not convert exactly")
+    chat = parser.add_argument_group(
+        "chat and prompt/completion data",
+        "Either flag switches to records of 'messages' (chat) or 'prompt' and 'completion' (strings, or lists of "
+        "messages), tokenised through the Hugging Face tokenizer of --tokenizer-type GPT2BPETokenizer or "
+        "HuggingFaceTokenizer (special tokens written in text are their ids), into {output_prefix}_text_document "
+        "(tokens) and {output_prefix}_loss_mask_document (uint8, 1 where the token is a target; same documents). "
+        "Records with no target token are refused and counted. See docs/data.md")
+    chat.add_argument("--chat-template", default=None, metavar="tokenizer|FILE",
+                      help="render chat records with the tokenizer's own chat template ('tokenizer') or a Jinja "
+                           "file. Assistant tokens come from its {%% generation %%} blocks, else from rendering "
+                           "the conversation message by message (each rendering must be a token prefix of the next, "
+                           "else the record is bad)")
+    chat.add_argument("--loss-on", choices=LOSS_ON, default=None,
+                      help="assistant (default): every assistant turn with its end-of-turn token, and the "
+                           "completion of prompt/completion records; completion: the completion, and of a chat only "
+                           "its last (assistant) message; all: every token. With --append-eod the end-of-document "
+                           "token is a target when the record ends with a target (only whitespace after it)")
     output = parser.add_argument_group("output data")
     output.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
     output.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
@@ -84,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.chat_template is not None or args.loss_on is not None:
+        return _main_chat(args)
     try:
         config = PreprocessConfig(
             input=args.input, output_prefix=args.output_prefix, json_keys=tuple(args.json_keys),
@@ -94,6 +122,24 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress, shard=args.shard,
         )
         report = preprocess(config)
+    except (BadInputError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+def _main_chat(args: argparse.Namespace) -> int:
+    try:
+        config = ChatPreprocessConfig(
+            input=args.input, output_prefix=args.output_prefix, json_keys=tuple(args.json_keys),
+            workers=args.workers, append_eod=args.append_eod, tokenizer_type=args.tokenizer_type,
+            vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+            skip_bad_lines=args.skip_bad_lines, input_format=args.input_format, batch_size=args.batch_size,
+            progress=not args.no_progress, shard=args.shard, chat_template=args.chat_template,
+            loss_on=args.loss_on or "assistant",
+        )
+        report = preprocess_chat(config)
     except (BadInputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
