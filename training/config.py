@@ -156,6 +156,10 @@ class TrainingConfig:
     checkpoint), before they stop with an error."""
     tensorboard_dir: str | None = None
     """TensorBoard event files (default: <save>/tensorboard when save is set)."""
+    wandb: dict[str, Any] | None = None
+    """Weights & Biases (training/wandb_sink.py): {"project", "name", "group", "mode": "online" | "offline" |
+    "disabled", "dir"}, the TensorBoard scalars logged by rank 0; a resume continues the same W&B run. Needs the
+    wandb extra (pip install .[wandb]). None: off."""
     peak_tflops_per_gpu: float | None = None
     """For MFU: the GPU's dense peak (bf16/fp16), TFLOP/s. Default: detected from the GPU name, none on CPU."""
     init_from: str | None = None
@@ -236,6 +240,7 @@ class TrainingConfig:
         if self.profile is not None and not self.save:
             raise ValueError("training.profile writes its traces beside the checkpoints: set training.save")
         self.profile_config()
+        self.wandb_config()
         guard = self.spike_guard_config()
         if guard.rollback and not self.save:
             raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")
@@ -245,6 +250,12 @@ class TrainingConfig:
         from training.profiling import ProfileConfig
 
         return None if self.profile is None else _build(ProfileConfig, "training.profile", self.profile)
+
+    def wandb_config(self):
+        """training.wandb as a WandbConfig (None: off). wandb itself is imported only when the run starts."""
+        from training.wandb_sink import WandbConfig
+
+        return None if self.wandb is None else _build(WandbConfig, "training.wandb", self.wandb)
 
     def spike_guard_config(self):
         from training.guards import SpikeGuardConfig

@@ -1,4 +1,5 @@
-"""Metrics to the console, to TensorBoard and to ``<save>/metrics.jsonl`` (one JSON object per line), rank 0 only.
+"""Metrics to the console, to TensorBoard and to ``<save>/metrics.jsonl`` (one JSON object per line), rank 0 only;
+with training.wandb, the TensorBoard scalars to Weights & Biases as well (training/wandb_sink.py).
 
 The JSONL file is what tools/plot_schedule.py and the tests read back. After a resume, steps after the checkpoint
 may appear twice (once from the run that stopped, once from the resumed run): readers keep the last record of a step.
@@ -81,11 +82,31 @@ def _scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+class TensorBoardSink:
+    """A MetricsLogger sink: each scalar as ``kind/name`` at the record's step; ``kind/loss_vs_tokens`` at its tokens.
+    training/wandb_sink.py WandbSink is the other one: the same ``write(kind, step, scalars)`` and ``close``."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, kind: str, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(f"{kind}/{key}", value, step)
+        if "loss" in scalars and "consumed_tokens" in scalars:
+            self.writer.add_scalar(f"{kind}/loss_vs_tokens", scalars["loss"], scalars["consumed_tokens"])
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
 class MetricsLogger:
     def __init__(self, config: RunConfig, is_writer: bool) -> None:
-        self.is_writer = is_writer
+        self.config, self.is_writer = config, is_writer
         self.jsonl = None
-        self.tensorboard = None
+        self.sinks: list = []
+        """Where each record's scalars go: TensorBoardSink, and WandbSink once start_wandb opened it."""
         if not is_writer:
             return
         save = config.training.save
@@ -94,9 +115,20 @@ class MetricsLogger:
             self.jsonl = open(Path(save) / "metrics.jsonl", "a")
         tensorboard_dir = config.training.tensorboard_dir or (str(Path(save) / "tensorboard") if save else None)
         if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            self.sinks.append(TensorBoardSink(tensorboard_dir))
 
-            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+    def start_wandb(self, resumed: bool, layout: dict[str, Any]) -> None:
+        """With training.wandb set, on the writer: start the W&B run, or continue it when ``resumed`` from a
+        checkpoint (training/wandb_sink.py); its config is the run config and ``layout``."""
+        wandb_config = self.config.training.wandb_config()
+        if not self.is_writer or wandb_config is None:
+            return
+        from training.wandb_sink import open_wandb
+
+        sink = open_wandb(wandb_config, self.config.training.save, {**self.config.to_dict(), **layout}, resumed,
+                          self.info)
+        if sink is not None:
+            self.sinks.append(sink)
 
     def info(self, message: str) -> None:
         if self.is_writer:
@@ -109,17 +141,20 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self.jsonl.flush()
-        if self.tensorboard:
-            for key, value in _scalars(record):
-                if key != "step":
-                    self.tensorboard.add_scalar(f"{kind}/{key}", value, record["step"])
-            if "loss" in record:
-                self.tensorboard.add_scalar(f"{kind}/loss_vs_tokens", record["loss"], record["consumed_tokens"])
+        self.log_scalars(kind, record["step"], {key: value for key, value in _scalars(record) if key != "step"})
+
+    def log_scalars(self, kind: str, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and W&B only (not the console or metrics.jsonl): each record's, and events such as a
+        committed checkpoint."""
+        for sink in self.sinks if self.is_writer else ():
+            sink.write(kind, step, scalars)
 
     def close(self) -> None:
+        """At the end of training; inside an exception's ``finally`` the W&B run is marked failed."""
+        failed = sys.exc_info()[0] is not None
         if self.jsonl:
             self.jsonl.close()
             self.jsonl = None
-        if self.tensorboard:
-            self.tensorboard.close()
-            self.tensorboard = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(failed)

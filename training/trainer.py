@@ -127,6 +127,8 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
         self.resume()
+        self.logger.start_wandb(resumed=self.saved_step is not None, layout={
+            "world_size": dist.get_world_size(), "data_parallel_size": self.ctx.data_parallel_size})
         loader = self._loader()
         stop = StopRequest()
         window = _Window()
@@ -391,6 +393,8 @@ class Trainer:
         tag, deleted = committed
         training = self.config.training
         self.logger.info(f"saved checkpoint {Path(training.save) / tag}")
+        # TensorBoard and W&B: at the step it is committed (async: a step or more later), the step it holds
+        self.logger.log_scalars("checkpoint", self.state.step, {"committed_step": int(tag.removeprefix("global_step"))})
         if deleted:
             self.logger.info(f"deleted checkpoint(s) {', '.join(deleted)} (training.keep_last = {training.keep_last}, "
                              f"keep_every = {training.keep_every})")
