@@ -7,6 +7,10 @@ the whole vocabulary (the cross-entropy has it already, on the vocabulary shards
     z-loss          Z  = coef x sum_i mask_i (log Z_i)^2 / T        (training.z_loss = coef; PaLM's 1e-4)
     objective       CE + Z                                          what the backward differentiates
 
+With training.loss_normalization "tokens", T is instead the step's target tokens over all its micro-batches and
+data-parallel replicas divided by (micro-batches x DP) (``step_tokens``, set by the trainer): the engine's mean of
+the micro-batch losses over accumulation and replicas is then sum over every target token of the step / their count.
+
 The z-loss pulls log Z towards 0, so the output logits cannot drift together far from it (Wortsman et al. 2023's
 output-logit divergence). ``GPTLoss`` is the pipeline's loss function (the last stage calls it once per
 micro-batch). While ``recording``, it adds each micro-batch's terms to a small device tensor, never read on the host
@@ -32,6 +36,11 @@ class GPTLoss:
         if z_loss < 0:
             raise ValueError(f"training.z_loss must be >= 0 (a coefficient, 1e-4 in PaLM), got {z_loss}")
         self.ctx, self.z_loss = ctx, z_loss
+        self.step_tokens: torch.Tensor | None = None
+        """training.loss_normalization "tokens": the step's target tokens over all its micro-batches and replicas,
+        divided by (micro-batches x DP), set by the trainer before the step. Each micro-batch's loss is then its sum
+        over this: the engine's mean over micro-batches and replicas makes the global sum over all target tokens.
+        None: each micro-batch's own mean."""
         self.recording = False
         self.sums: torch.Tensor | None = None  # (5,) fp32: RECORD_FIELDS
         self.min_log_z: torch.Tensor | None = None  # () fp32
@@ -42,7 +51,7 @@ class GPTLoss:
         losses, log_z = vocab_parallel_cross_entropy(logits, targets, self.ctx.tensor_parallel_group, vocab_start,
                                                      return_log_z=True)  # (b, s) fp32 each
         mask = loss_mask.float()
-        tokens = mask.sum().clamp(min=1.0)
+        tokens = mask.sum().clamp(min=1.0) if self.step_tokens is None else self.step_tokens
         cross_entropy = (losses * mask).sum() / tokens
         z_term = self.z_loss * (log_z.square() * mask).sum() / tokens if self.z_loss else None
         if self.recording:

@@ -76,10 +76,13 @@ def test_the_chosen_ranks_trace_the_chosen_steps_with_the_pipeline_instructions(
 
 @pytest.mark.distributed
 def test_stop_and_resume_is_exact(corpus, straight_run, tmp_path):
+    """The resumed half runs with training.loss_normalization "tokens" (training/loss_normalization.py): with every
+    position a target each micro-batch's divisor, the step's count over micro-batches x DP, is its own count, so the
+    bits are the default's; that it differs where masks are uneven is tests/test_loss_normalization.py's."""
     save = tmp_path / "checkpoints"
     run_training(corpus, save, max_steps=6)
     assert (save / "latest").read_text() == "global_step6"
-    result = run_training(corpus, save)
+    result = run_training(corpus, save, extra=["training.loss_normalization=\"tokens\""])
     assert "resumed from" in result.stdout and "at step 6" in result.stdout
     assert trajectory(save) == trajectory(straight_run)
     assert same_weights(final_weights(save), final_weights(straight_run))

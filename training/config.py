@@ -184,6 +184,14 @@ class TrainingConfig:
     z_loss: float = 0.0
     """Coefficient of the z-loss, coef x mean(log Z^2) over the tokens, added to the cross-entropy (model/loss.py;
     PaLM: 1e-4). 0: off. Logged apart from the loss as z_loss."""
+    loss_normalization: str = "micro_batch"
+    """What the step's loss divides its summed token losses by (model/loss.py). "micro_batch" (the default, as
+    before): each micro-batch's loss is the mean over its target tokens, and the step averages the micro-batches and
+    the data-parallel replicas: equal to "tokens" whenever every micro-batch has as many target tokens (pretraining,
+    where every position is a target), and the bits of every earlier run. "tokens": the sum over the whole global
+    batch divided by its target-token count, whatever the split into micro-batches, accumulation steps and replicas
+    (TRL's num_items_in_batch, Megatron-LM's --calculate-per-token-loss): what fine-tuning on masked data wants, where
+    micro-batches hold different numbers of targets and a short answer would otherwise weigh as much as a long one."""
     stability_interval: int = 0
     """Every N steps, measure the stability monitors (training/stability.py): the largest attention logit of each
     block on one fixed micro-batch, the mean and smallest log Z of the step's tokens, and each parameter group's
@@ -214,6 +222,9 @@ class TrainingConfig:
         for name in ("eval_interval", "eval_iters", "save_interval", "stability_interval", "z_loss"):
             if getattr(self, name) < 0:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        if self.loss_normalization not in ("micro_batch", "tokens"):
+            raise ValueError(f"training.loss_normalization must be \"micro_batch\" or \"tokens\", got "
+                             f"{self.loss_normalization!r}")
         if self.checkpoint_mode not in ("async", "sync"):
             raise ValueError(f"training.checkpoint_mode must be \"async\" or \"sync\", got {self.checkpoint_mode!r}")
         if self.save_interval and not self.save:

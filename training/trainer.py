@@ -35,6 +35,7 @@ from training.config import RunConfig
 from training.engine import pipeline_schedule_of
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
+from training.loss_normalization import clear_step_tokens, set_step_tokens, take_micro_batches
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
@@ -195,10 +196,16 @@ class Trainer:
         self.spike_guard.begin_step(self.engine.gradient_accumulation_steps(), ignore=ignore_spikes)
         self.stability.before_step(self.state.step + 1)
         self.profiler.before_step(self.state.step + 1)
+        data, objective = loader, self.engine.module.objective
+        if self.config.training.loss_normalization == "tokens":  # the step's target count first (collective over DP)
+            data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
+            set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_parallel_size)
+            data = iter(data)
         try:
-            loss = self.engine.train_batch(data_iter=loader).item()
+            loss = self.engine.train_batch(data_iter=data).item()
         finally:
             self.spike_guard.end_step()  # evaluation, which runs the same loss function, finds the guard inactive
+            clear_step_tokens(objective)  # and each micro-batch's own mean
         traced = self.profiler.after_step(self.state.step + 1)
         if traced is not None:
             print(f"[profile] rank {dist.get_rank()}: steps {self.profiler.config.steps[0]}-{self.state.step + 1} "
