@@ -47,7 +47,7 @@ def _rank_slice(folder: Path, state: str, expert_parallel_size: int, data_parall
     """One TP rank's [E, ...] of one state: its EP ranks' experts in order, each from its EDP fragments in order."""
     parts = [folder / f"{state}.{k * expert_parallel_size + e:02d}"
              for e in range(expert_parallel_size) for k in range(data_parallel_size // expert_parallel_size)]
-    flat = torch.cat([torch.load(path, weights_only=False) for path in parts if path.exists()])
+    flat = torch.cat([torch.load(path, weights_only=True) for path in parts if path.exists()])
     return flat.reshape(expert_parallel_size * shape[0], *shape[1:])
 
 
@@ -77,7 +77,7 @@ def merge_experts(num_experts: int, temp_dir: str, zero_dir: str, slice_shapes: 
                        output / f"{state}.pt")
         steps = sorted((Path(temp_dir) / name / "0").glob("step.*"))
         if steps:
-            torch.save(torch.load(steps[0], weights_only=False), output / "step.pt")
+            torch.save(torch.load(steps[0], weights_only=True), output / "step.pt")
     return names
 
 
@@ -85,7 +85,7 @@ def convert(input_folder: str | Path, output_folder: str | Path, workers: int) -
     from hf.checkpoint_reader import model_config_from_dict
     from model.checkpoint_files import model_states_file
 
-    states = torch.load(model_states_file(Path(input_folder), 0), map_location="cpu", weights_only=False)
+    states = torch.load(model_states_file(Path(input_folder), 0), map_location="cpu", weights_only=True)
     model = model_config_from_dict(dict(states["run_config"]["model"]))
     num_experts = model.moe.num_experts if model.moe is not None else 0
 
