@@ -92,6 +92,8 @@ CASES = [
     ("training.save_interval", -1, WORLD, "training.save_interval must be >= 0"),
     ("training.save", None, WORLD, "training.save_interval is set but training.save (the checkpoint directory) is not"),
     ("training.max_consecutive_skips", 0, WORLD, "training.max_consecutive_skips must be >= 1"),
+    ("training.fine_tune", True, WORLD, "training.fine_tune starts a new run on the weights of training.init_from, which is not set"),
+    ("training.loss_normalization", "sequence", WORLD, "training.loss_normalization must be \"micro_batch\" or \"tokens\", got 'sequence'"),
     ("training.spike_guard", {"enabled": True, "ratio": 1.0}, WORLD, "training.spike_guard.ratio must be > 1"),
     ("training.spike_guard", {"min_increase_nats": -0.1}, WORLD, "training.spike_guard.min_increase_nats must be >= 0"),
     # the window rule's keys (run configs from before it was replaced): the error names the replacements

@@ -132,3 +132,17 @@ def test_sequence_parallel_with_selective_recompute_resumes_exactly(corpus, stra
     assert [s[:1] + s[2:] for s in trajectory(straight)] == [s[:1] + s[2:] for s in plain]
     for ours, theirs in zip(trajectory(straight), plain, strict=True):
         assert abs(ours[1] - theirs[1]) <= 1e-5 * abs(theirs[1]), (ours, theirs)
+
+
+@pytest.mark.distributed
+def test_fine_tuning_starts_the_schedules_afresh_on_the_pretrained_weights(corpus, straight_run, tmp_path):
+    """training.init_from the 12-step run with training.fine_tune: the learning rate (warmup included), the batch
+    ramp and the data start at 0 tokens again, with the 12-step weights (a lower loss on the same first batch)."""
+    save = tmp_path / "sft" / "checkpoints"
+    result = run_training(corpus, save, max_steps=3,
+                          extra=[f"training.init_from={straight_run}", "training.fine_tune=true"])
+    assert f"fine-tuning from the weights of {straight_run}" in result.stdout + result.stderr
+    ours, pretraining = read_metrics(save / "metrics.jsonl"), read_metrics(straight_run / "metrics.jsonl")
+    for key in ("step", "lr", "global_batch", "consumed_samples", "consumed_tokens"):
+        assert [r[key] for r in ours] == [r[key] for r in pretraining[:3]], key
+    assert ours[0]["loss"] < pretraining[0]["loss"] - 0.3  # the same batch, the trained weights

@@ -162,8 +162,13 @@ class TrainingConfig:
     peak_tflops_per_gpu: float | None = None
     """For MFU: the GPU's dense peak (bf16/fp16), TFLOP/s. Default: detected from the GPU name, none on CPU."""
     init_from: str | None = None
-    """Initialise the weights from this checkpoint (e.g. one made by tools/convert_from_hf.py) with a fresh optimizer,
-    when the save directory holds no checkpoint yet. The schedules start at its hf_import.json start_tokens."""
+    """Initialise the weights from this checkpoint (e.g. one made by tools/convert_from_hf.py, or a pretraining run's
+    checkpoint directory) with a fresh optimizer, when the save directory holds no checkpoint yet. The schedules
+    continue at its consumed tokens (an import's hf_import.json start_tokens), the data at sample 0."""
+    fine_tune: bool = False
+    """With init_from: a new run on its weights, as fine-tuning wants: the learning-rate and batch schedules start at
+    0 tokens (warmup included) whatever the checkpoint had consumed, with a fresh optimizer and the data at sample
+    0. false: the schedules continue at the checkpoint's tokens (continued pretraining)."""
     max_consecutive_skips: int = 20
     """Stop (with the batch positions) when this many steps in a row were skipped (non-finite loss or gradient,
     fp16 overflow, loss spike without rollback)."""
@@ -226,6 +231,9 @@ class TrainingConfig:
                              f"{self.loss_normalization!r}")
         if self.checkpoint_mode not in ("async", "sync"):
             raise ValueError(f"training.checkpoint_mode must be \"async\" or \"sync\", got {self.checkpoint_mode!r}")
+        if self.fine_tune and not self.init_from:
+            raise ValueError("training.fine_tune starts a new run on the weights of training.init_from, which is not "
+                             "set: give the pretrained checkpoint directory (or a tools/convert_from_hf.py output)")
         if self.save_interval and not self.save:
             raise ValueError("training.save_interval is set but training.save (the checkpoint directory) is not")
         if not 0.0 <= self.noise_scale_beta < 1.0:

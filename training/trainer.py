@@ -457,12 +457,19 @@ class Trainer:
                                      "data_position": self.state.data_position})
 
     def initialise_from(self, directory: str) -> None:
-        """Weights only (fresh optimizer); the schedules start at the import's start_tokens, the data at sample 0."""
+        """Weights only (fresh optimizer), the data at sample 0; the schedules at 0 tokens with training.fine_tune,
+        else at the checkpoint's consumed tokens (an import's start_tokens)."""
         from hf.importer import read_import_record
 
         start_tokens = checkpoint.load_weights(self.engine, directory)
         record = read_import_record(directory)
-        self.state = TrainState(consumed_tokens=record["start_tokens"] if record else start_tokens)
+        start_tokens = record["start_tokens"] if record else start_tokens
+        if self.config.training.fine_tune:
+            self.state = TrainState()
+            self.logger.info(f"fine-tuning from the weights of {directory} (training.fine_tune): schedules, data and "
+                             f"optimizer start afresh (the checkpoint had seen {start_tokens:,} tokens)")
+            return
+        self.state = TrainState(consumed_tokens=start_tokens)
         self.logger.info(f"initialised the weights from {directory}; schedules start at "
                          f"{self.state.consumed_tokens:,} tokens")
 
