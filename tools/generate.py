@@ -9,6 +9,13 @@ Greedy by default (--temperature 0); sampling with --temperature, --top-k, --top
 repeats its samples exactly). Each completion stops at the end-of-text token, a --stop sequence (cut off) or
 --max-new-tokens. Prompts come from --prompt (repeatable) or a JSONL file of {"prompt": ...}; completions go to
 --output (or stdout) as JSONL: {"prompt", "completion", "tokens"}. The prompts are split over the DP replicas.
+
+With --chat each prompt is a user's turn (after --system, if given), or a JSONL line's {"messages": [...]}, rendered
+by the chat template (the checkpoint tokenizer's own, or --chat-template FILE) with the assistant's generation
+prompt; the answer stops at the template's end-of-turn token (the first special token it writes after an
+assistant's message), which is not part of the completion:
+
+    python tools/generate.py --checkpoint runs/sft/checkpoints --chat --prompt "Where do bees live?"
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     given = prompts.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     given.add_argument("--prompts", help="a JSONL file, one {\"prompt\": ...} per line")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--chat", action="store_true", help="prompts are user turns (or JSONL {\"messages\": [...]}), "
+                      "rendered by the chat template; stop at its end-of-turn token")
+    chat.add_argument("--chat-template", default="tokenizer", help="'tokenizer' (default: the checkpoint "
+                      "tokenizer's own) or a Jinja template file")
+    chat.add_argument("--system", help="with --chat: a system message before each user turn")
     choice = parser.add_argument_group("the choice of tokens")
     choice.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per prompt (64)")
     choice.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
@@ -44,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def read_prompts(args: argparse.Namespace) -> list[str | list[dict]]:
+    """Prompt strings; with --chat, message lists (a --prompt or a JSONL "prompt" as the user's turn)."""
     if args.prompt:
-        return list(args.prompt)
+        return [chat_messages(prompt, args.system) if args.chat else prompt for prompt in args.prompt]
     path = Path(args.prompts)
     if not path.is_file():
         raise ValueError(f"--prompts {path} does not exist")
@@ -56,12 +70,40 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             continue
         try:
             record = json.loads(line)
+            if args.chat and isinstance(record, dict) and isinstance(record.get("messages"), list):
+                prompts.append(record["messages"])
+                continue
             prompts.append(record["prompt"] if isinstance(record, dict) else None)
         except (json.JSONDecodeError, KeyError):
             prompts.append(None)
         if not isinstance(prompts[-1], str):
-            raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string, got {line[:80]!r}")
+            wanted = "a \"messages\" list or a \"prompt\" string" if args.chat else "a \"prompt\" string"
+            raise ValueError(f"{path}:{number}: expected a JSON object with {wanted}, got {line[:80]!r}")
+        if args.chat:
+            prompts[-1] = chat_messages(prompts[-1], args.system)
     return prompts
+
+
+def chat_messages(user: str, system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def end_of_turn(tokenizer, template: str) -> int:
+    """The first special token the template writes after an assistant's message (its end of turn), else the
+    tokenizer's end-of-text."""
+    user = [{"role": "user", "content": "x"}]
+    before = render(tokenizer, template, user)
+    whole = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": "y"}], chat_template=template,
+                                          tokenize=True, return_dict=True)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    after = whole[len(before):] if whole[:len(before)] == before else whole
+    return next((token for token in after if token in special), tokenizer.eos_token_id)
+
+
+def render(tokenizer, template: str, messages: list[dict]) -> list[int]:
+    """The conversation with the assistant's generation prompt, as token ids."""
+    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
 
 
 def completions(args: argparse.Namespace) -> list[dict]:
@@ -70,15 +112,25 @@ def completions(args: argparse.Namespace) -> list[dict]:
     prompts = read_prompts(args)
     pipeline, tokenizer, _ = open_pipeline(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.chat:
+        from data.chat import load_chat_template
+
+        template = load_chat_template(args.chat_template, tokenizer)
+        turn_end = end_of_turn(tokenizer, template)
+        encoded = [render(tokenizer, template, messages) for messages in prompts]
+    else:
+        turn_end = None
+        encoded = [tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id] for prompt in prompts]
     generator = Generator(pipeline, tokenizer.eos_token_id)
 
     def stop(generated: list[int]) -> bool:
+        if generated and generated[-1] == turn_end:
+            return True
         text = tokenizer.decode(generated, skip_special_tokens=True)
         return any(term in text for term in args.stop)
 
-    encoded = [tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id] for prompt in prompts]
-    outputs = generator.generate_all(encoded, args.max_new_tokens, sampling, stop if args.stop else None,
-                                     use_cache=not args.no_cache)
+    outputs = generator.generate_all(encoded, args.max_new_tokens, sampling,
+                                     stop if args.stop or turn_end is not None else None, use_cache=not args.no_cache)
     records = []
     for prompt, tokens in zip(prompts, outputs, strict=True):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
