@@ -191,6 +191,12 @@ class BlendedDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         return self.datasets[int(self.dataset_index[index])][int(self.dataset_sample_index[index])]
 
+    def sample_loss_mask(self, index: int) -> np.ndarray | None:
+        """The loss-mask bits of ``self[index]`` from its dataset (GPTDataset.sample_loss_mask), None when that
+        dataset has no mask: a blend may mix datasets with and without masks."""
+        masks = getattr(self.datasets[int(self.dataset_index[index])], "sample_loss_mask", None)
+        return None if masks is None else masks(int(self.dataset_sample_index[index]))
+
 
 def load_or_build_blending_indices(weights: np.ndarray, num_samples: int, cache: IndexCache | None,
                                    dataset_keys: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ import numpy as np
 from data.blended_dataset import BlendedDataset, load_or_build_blending_indices, normalize_weights
 from data.index_cache import IndexCache, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, idx_path
+from data.loss_mask import find_loss_mask
 
 GPT_INDEX_VERSION = 1
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: a final epoch used for less than this is shuffled on its own
@@ -203,14 +204,14 @@ class GPTDataset:
     """
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], seq_length: int, num_samples: int,
-                 seed: int, cache: IndexCache | None = None) -> None:
+                 seed: int, cache: IndexCache | None = None, loss_mask: IndexedDataset | None = None) -> None:
         begin, end = document_range
         if not 0 <= begin < end <= indexed.num_documents:
             raise ValueError(f"{indexed.idx_file}: documents [{begin}, {end}) are out of its "
                              f"{indexed.num_documents} documents (is the split too fine for this dataset?)")
         if seq_length < 1 or num_samples < 0:
             raise ValueError(f"seq_length must be >= 1 and num_samples >= 0, got {seq_length} and {num_samples}")
-        self.indexed, self.seq_length = indexed, seq_length
+        self.indexed, self.seq_length, self.loss_mask = indexed, seq_length, loss_mask
         self.spec = GPTIndexSpec(dataset_fingerprint(indexed) if cache else "", (begin, end), seq_length,
                                  num_samples, seed)
 
@@ -229,28 +230,34 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle_index)
 
-    def _document_tokens(self, position: int, offset: int, stop: int | None) -> np.ndarray:
-        """Tokens [offset, stop) of the document at ``position`` of the document index (to its end when None)."""
-        document = int(self.document_index[position])
-        start = self.indexed.document_start(document)
-        end = self.indexed.document_start(document + 1) if stop is None else start + stop
-        return self.indexed.tokens[start + offset : end]
+    def _spans(self, index: int) -> list[tuple[int, int]]:
+        """[start, end) token positions in the .bin of the parts of sample ``index``, in order (seq_length + 1 in all).
 
-    def __getitem__(self, index: int) -> np.ndarray:
+        Sample s = shuffle_index[index] runs from boundary s of the sample index to boundary s + 1 inclusive."""
         sample = int(self.shuffle_index[index])
         first, first_offset = (int(value) for value in self.sample_index[sample])
         last, last_offset = (int(value) for value in self.sample_index[sample + 1])
-        if first == last:
-            parts = [self._document_tokens(first, first_offset, last_offset + 1)]
-        else:
-            parts = [self._document_tokens(first, first_offset, None)]
-            parts += [self._document_tokens(position, 0, None) for position in range(first + 1, last)]
-            parts.append(self._document_tokens(last, 0, last_offset + 1))
-        tokens = np.concatenate(parts).astype(np.int64)
-        if tokens.size != self.seq_length + 1:
-            raise RuntimeError(f"{self.indexed.prefix}: sample {index} has {tokens.size} tokens, expected "
+        starts = [self.indexed.document_start(int(self.document_index[position])) for position in range(first, last + 1)]
+        spans = [(start, self.indexed.document_start(int(self.document_index[position]) + 1))
+                 for position, start in zip(range(first, last), starts, strict=False)]
+        spans.append((starts[-1], starts[-1] + last_offset + 1))
+        spans[0] = (spans[0][0] + first_offset, spans[0][1])
+        return spans
+
+    def _read(self, flat: np.ndarray, index: int) -> np.ndarray:
+        part = np.concatenate([flat[start:end] for start, end in self._spans(index)])
+        if part.size != self.seq_length + 1:
+            raise RuntimeError(f"{self.indexed.prefix}: sample {index} has {part.size} tokens, expected "
                                f"{self.seq_length + 1}; the cached index does not match the data: delete the cache")
-        return tokens
+        return part
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self._read(self.indexed.tokens, index).astype(np.int64)
+
+    def sample_loss_mask(self, index: int) -> np.ndarray | None:
+        """(seq_length + 1,) uint8: the loss-mask bits of the tokens of ``dataset[index]`` (the same span of the mask
+        dataset), or None without a mask dataset. A pure function of the index, as the tokens: resume stays exact."""
+        return None if self.loss_mask is None else self._read(self.loss_mask.tokens, index)
 
 
 def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
@@ -265,6 +272,7 @@ def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: i
     """
     prefixes, weights = parse_data_path(data_path)
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    masks = [find_loss_mask(prefix) for prefix in prefixes]  # beside the tokens, by name (data/loss_mask.py)
     if cache_policy is None and cache_dir:
         cache_policy = IndexCachePolicy(directory=cache_dir)
     caches = [cache_policy.cache_for(prefix) if cache_policy else None for prefix in prefixes]
@@ -275,11 +283,12 @@ def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: i
             result.append(None)
             continue
         if len(indexed) == 1:
-            result.append(GPTDataset(indexed[0], ranges[0][split_number], seq_length, wanted, seed, caches[0]))
+            result.append(GPTDataset(indexed[0], ranges[0][split_number], seq_length, wanted, seed, caches[0],
+                                     masks[0]))
             continue
         indices = load_or_build_blending_indices(normalize_weights(weights), wanted, caches[0], prefixes)
         counts = np.bincount(indices[0], minlength=len(indexed))
-        parts = [GPTDataset(dataset, ranges[k][split_number], seq_length, int(counts[k]), seed, caches[k])
+        parts = [GPTDataset(dataset, ranges[k][split_number], seq_length, int(counts[k]), seed, caches[k], masks[k])
                  if counts[k] else [] for k, dataset in enumerate(indexed)]
         result.append(BlendedDataset(parts, *indices))
     return result

@@ -11,10 +11,13 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
     ((tokens, position_ids), (labels, loss_mask))
     tokens, position_ids, labels: int64 (mb, seq_length); loss_mask: float32 (mb, seq_length)
     tokens = sample[:-1], labels = sample[1:], position_ids = arange(seq_length) on every row,
-    loss_mask = 1 everywhere; with eod_mask_loss, 0 where the input token is the end-of-document token: the
-    prediction that crosses into the next document (Megatron-LM's _get_ltor_masks_and_position_ids,
-    ``loss_mask[data == eod_token] = 0``). The end-of-document token itself is still learnt as a label, so a model
-    trained with it learns to end a document.
+    loss_mask = 1 everywhere, or, when the dataset has a loss mask (``dataset.sample_loss_mask(i)``, the bits of
+    the sample's seq_length + 1 tokens from a mask dataset beside the tokens, data/loss_mask.py), mask[1:]: the label
+    at position i is token i + 1, and its own bit says whether it is a target (TRL's and Megatron-LM's convention); a
+    sample of a blended dataset without masks is all ones. With eod_mask_loss, also (AND) 0 where the input token is
+    the end-of-document token: the prediction that crosses into the next document (Megatron-LM's
+    _get_ltor_masks_and_position_ids, ``loss_mask[data == eod_token] = 0``). The end-of-document token itself is
+    still learnt as a label, so a model trained with it learns to end a document.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 
 
 class SampleDataset(Protocol):
-    """Anything with a length whose items are int64 arrays of seq_length + 1 tokens."""
+    """Anything with a length whose items are int64 arrays of seq_length + 1 tokens; it may also have
+    ``sample_loss_mask(index)``: None or (seq_length + 1,) 0/1 bits, one per token of ``dataset[index]``."""
 
     def __len__(self) -> int: ...
 
@@ -78,19 +82,33 @@ class MicroBatchLoader:
         if self.consumed_samples + self.samples_per_micro_batch > len(self.dataset):
             raise StopIteration
         first = self.consumed_samples + self.data_parallel_rank * self.micro_batch_size
-        samples = np.stack([np.asarray(self.dataset[i], dtype=np.int64)
-                            for i in range(first, first + self.micro_batch_size)])  # (mb, seq_length + 1)
+        indices = range(first, first + self.micro_batch_size)
+        samples = np.stack([np.asarray(self.dataset[i], dtype=np.int64) for i in indices])  # (mb, seq_length + 1)
         self.consumed_samples += self.samples_per_micro_batch
-        return self._to_micro_batch(samples)
+        return self._to_micro_batch(samples, self._sample_masks(indices, samples.shape))
 
-    def _to_micro_batch(self, samples: np.ndarray) -> MicroBatch:
+    def _sample_masks(self, indices: range, shape: tuple[int, ...]) -> np.ndarray | None:
+        """(mb, seq_length + 1) loss-mask bits of the samples, ones for a sample without; None when none has any."""
+        read = getattr(self.dataset, "sample_loss_mask", None)
+        bits = [read(i) for i in indices] if read is not None else []
+        if all(mask is None for mask in bits):
+            return None
+        return np.stack([np.ones(shape[1], dtype=np.uint8) if mask is None else np.asarray(mask, dtype=np.uint8)
+                         for mask in bits])
+
+    def _to_micro_batch(self, samples: np.ndarray, sample_masks: np.ndarray | None = None) -> MicroBatch:
         if samples.ndim != 2 or samples.shape[1] < 2:
             raise ValueError(f"samples must be (micro_batch, seq_length + 1) token ids, got shape {samples.shape}")
         batch = torch.from_numpy(samples)
         tokens = batch[:, :-1].contiguous()  # (mb, s)
         labels = batch[:, 1:].contiguous()  # (mb, s)
         position_ids = torch.arange(tokens.shape[1], dtype=torch.int64).repeat(tokens.shape[0], 1)  # (mb, s)
-        loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+        if sample_masks is None:
+            loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+        else:  # the label at position i is token i + 1: its own bit
+            if sample_masks.shape != samples.shape:
+                raise ValueError(f"loss-mask bits of shape {sample_masks.shape} for samples of shape {samples.shape}")
+            loss_mask = torch.from_numpy(np.ascontiguousarray(sample_masks[:, 1:], dtype=np.float32))
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_token_id] = 0.0
         return (tokens, position_ids), (labels, loss_mask)

@@ -6,6 +6,9 @@ the mask in the same MMIDIDX format, dtype code 1 (uint8), ``{output_prefix}_los
 sequences and document index, mask[i] = 1 where token i is a target of the loss. :class:`MaskedDocuments` opens the
 pair, checks that they agree (document count, sequence lengths and document index) and yields (tokens, mask) per
 document.
+
+Training reads the mask of every dataset of ``data.blend`` that has one beside it (found by name,
+:func:`find_loss_mask`): data/gpt_dataset.py cuts the same token span from it as from the tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from data.indexed_dataset import IndexedDataset, IndexFormatError
+from data.indexed_dataset import IndexedDataset, IndexFormatError, bin_path, idx_path
 
 TOKENS_KEY = "text"
 LOSS_MASK_KEY = "loss_mask"
@@ -93,3 +96,16 @@ class MaskedDocuments:
         """Share of the tokens that are targets."""
         total = self.mask.num_tokens
         return float(np.count_nonzero(self.mask.tokens)) / total if total else 0.0
+
+
+def find_loss_mask(tokens: str | os.PathLike) -> IndexedDataset | None:
+    """The loss-mask dataset beside a token dataset (:func:`loss_mask_prefix`), checked against the tokens; None when
+    neither of its files exists. A mask that does not match is a LossMaskMismatchError naming both files."""
+    prefix = loss_mask_prefix(tokens)
+    if not (os.path.exists(idx_path(prefix)) or os.path.exists(bin_path(prefix))):
+        return None
+    try:
+        return MaskedDocuments(tokens, prefix).mask
+    except LossMaskMismatchError as error:
+        raise LossMaskMismatchError(f"{error}; training reads a loss mask found beside the tokens: to train on every "
+                                    f"token instead, move {prefix}.bin/.idx away") from None

@@ -12,6 +12,7 @@ from data.gpt_dataset import build_gpt_datasets
 from data.index_cache import DEFAULT_FALLBACK_DIRECTORY, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, check_vocab_size
 from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset
+from data.loss_mask import find_loss_mask, loss_mask_prefix
 from model.config import set_option
 from model.parallel import ParallelContext
 from training.config import RunConfig
@@ -35,6 +36,7 @@ def check_datasets(config: RunConfig) -> None:
                 raise ValueError(f"{config.source}: dataset file {prefix + suffix} does not exist: preprocess the "
                                  f"corpus with tools/preprocess_data.py or fix data.blend")
         check_vocab_size(IndexedDataset(prefix), config.model.vocab_size)
+        find_loss_mask(prefix)  # a loss mask beside the tokens is checked against them (data/loss_mask.py)
 
 
 def samples_needed(config: RunConfig) -> tuple[int, int, int]:
@@ -58,13 +60,16 @@ def index_cache_policy(config: RunConfig) -> IndexCachePolicy:
 
 
 def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | None]:
-    """(train, valid) datasets; their index arrays built once per node and memory-mapped by every process."""
+    """(train, valid) datasets; their index arrays built once per node and memory-mapped by every process. A dataset
+    with a loss mask beside it (``{prefix}_loss_mask_document`` for ``{prefix}_text_document``) trains on its bits."""
     policy = index_cache_policy(config)
     data_path = blend_as_data_path(config)
     if policy.builds:
         for prefix in data_path[1::2]:
             directory, why = policy.locate(prefix)
             print(f"index cache of {prefix}: {directory} ({why})", flush=True)
+            if find_loss_mask(prefix) is not None:
+                print(f"loss mask of {prefix}: {loss_mask_prefix(prefix)}", flush=True)
     train, valid, _ = build_gpt_datasets(data_path, config.data.split, config.model.seq_length,
                                          samples_needed(config), config.training.seed, cache_policy=policy)
     return train, valid

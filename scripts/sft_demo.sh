@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Supervised fine-tuning on the shipped chat set: tokenise data/corpus/chat_demo.jsonl with GPT-2's BPE and the
+# qwen-style template in data/chat_templates/ (tokens + loss mask: the assistant replies and their end-of-turn are
+# the targets), then train the tiny-cpu model on it (PP 2, 2 CPU processes) with the loss divided by the step's
+# target tokens (training.loss_normalization "tokens"), and print the loss going down. Extra arguments go to
+# train.py, e.g. bash scripts/sft_demo.sh --set training.max_steps=40, or, after bash scripts/demo.sh, start from its
+# pretrained model: --set training.init_from=runs/demo/checkpoints --set training.fine_tune=true
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
+RUN=runs/sft-demo
+rm -rf "$RUN"
+
+echo "== 1. tokenise data/corpus/chat_demo.jsonl: tokens and loss mask"
+python tools/preprocess_data.py --input data/corpus/chat_demo.jsonl --output-prefix "$RUN/data/chat_demo" \
+    --chat-template data/chat_templates/qwen_style.jinja --append-eod --no-progress
+
+echo "== 2. train tiny-cpu on the replies only (PP 2 on 2 processes), loss over the step's target tokens"
+deepspeed --num_gpus 2 train.py --ds_config ds_configs/tiny-cpu.json \
+    --data-path "$RUN/data/chat_demo_text_document" --set training.save="$RUN/checkpoints" \
+    --set parallelism.tensor_parallel_size=1 --set parallelism.pipeline_parallel_size=2 \
+    --set train_batch_size=16 --set schedule.batch={} --set schedule.warmup_tokens=1024 \
+    --set schedule.decay_tokens=20480 --set schedule.train_tokens=20480 --set training.max_steps=20 \
+    --set training.log_interval=1 --set training.eval_interval=0 --set training.eval_iters=0 \
+    --set training.save_interval=0 --set 'training.loss_normalization="tokens"' "$@"
+
+echo "== 3. the loss, step by step"
+python - "$RUN/checkpoints/metrics.jsonl" <<'PY'
+import sys
+
+from training.metrics_log import read_metrics
+
+losses = [(record["step"], record["loss"]) for record in read_metrics(sys.argv[1])]
+print("  ".join(f"{step}: {loss:.2f}" for step, loss in losses))
+print(f"loss {losses[0][1]:.3f} at step {losses[0][0]} -> {losses[-1][1]:.3f} at step {losses[-1][0]}")
+PY
