@@ -2,7 +2,8 @@
 # Supervised fine-tuning on the shipped chat set: tokenise data/corpus/chat_demo.jsonl with GPT-2's BPE and the
 # qwen-style template in data/chat_templates/ (tokens + loss mask: the assistant replies and their end-of-turn are
 # the targets), then train the tiny-cpu model on it (PP 2, 2 CPU processes) with the loss divided by the step's
-# target tokens (training.loss_normalization "tokens"), and print the loss going down. Extra arguments go to
+# target tokens (training.loss_normalization "tokens"), print the loss going down and one chat answer
+# (tools/generate.py --chat, stopped at the template's end of turn). Extra arguments go to
 # train.py, e.g. bash scripts/sft_demo.sh --set training.max_steps=40, or, after bash scripts/demo.sh, start from its
 # pretrained model: --set training.init_from=runs/demo/checkpoints --set training.fine_tune=true
 set -euo pipefail
@@ -36,3 +37,9 @@ losses = [(record["step"], record["loss"]) for record in read_metrics(sys.argv[1
 print("  ".join(f"{step}: {loss:.2f}" for step, loss in losses))
 print(f"loss {losses[0][1]:.3f} at step {losses[0][0]} -> {losses[-1][1]:.3f} at step {losses[-1][0]}")
 PY
+
+echo "== 4. one chat answer (tools/generate.py --chat, sampled; 20 steps from random weights make no sense yet)"
+# the tiny model has 64 positions and the template's system prompt takes most: 10 new tokens
+python tools/generate.py --checkpoint "$RUN/checkpoints" --set parallelism.pipeline_parallel_size=1 --chat \
+    --chat-template data/chat_templates/qwen_style.jinja --prompt "What do bees make?" --max-new-tokens 10 \
+    --temperature 0.7 --seed 1 --stop "<|im_end|>" 2>/dev/null
