@@ -24,7 +24,8 @@ One module per concern, each with its own formulas in its docstring (the whole d
     report      the text tables and the --json documents (schema_version)   plan, search, scaling
 
 Only the run configuration is read from training/ (training/config.py, and the batch ramp it builds,
-training/schedules.py): nothing in the training loop imports the planner.
+training/schedules.py). The training loop plans its own layout once, at start-up, to log measured against planned
+(training/plan_check.py imports the planner inside its functions).
 """
 
 from planner.checkpointing import Storage

@@ -215,9 +215,10 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         plan.measured = measured_throughput(config, gpus, iteration_seconds, hardware, plan.full_batch.seconds)
     plan.checkpoint = checkpoint_cost(config, parameters, d, plan.full_batch.seconds, hardware, storage or Storage())
     if plan.checkpoint.async_overlaps_next_save:
-        plan.warnings.append(f"a checkpoint takes {plan.checkpoint.write_seconds:.0f} s to write, more than "
-                             f"training.save_interval = {config.training.save_interval} iterations: each save waits "
-                             f"for the previous one; raise save_interval or the storage bandwidth")
+        between = config.training.save_interval * plan.full_batch.seconds
+        plan.warnings.append(f"a checkpoint takes {plan.checkpoint.write_seconds:.3g} s to write, more than "
+                             f"training.save_interval = {config.training.save_interval} iterations ({between:.3g} s): "
+                             f"each save waits for the previous one; raise save_interval or the storage bandwidth")
     if config.model.moe is not None:
         plan.experts = expert_figures(config, parameters, plan, hardware)
     return plan

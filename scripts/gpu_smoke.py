@@ -29,6 +29,9 @@ REQUIRED_MODULES = {"torch": "torch (a CUDA build)", "deepspeed": "deepspeed==0.
 CHECK_MODULES = {"transformers": "transformers", "lm_eval": "lm-eval (its wheels: --build-wheels)"}
 # tools/plan.py's presets by product (training/metrics.py GPU_PEAKS); --peak-tflops and --memory-gib are given too.
 PLAN_PRESETS = {"A100": "a100-80gb", "H100": "h100-80gb", "H800": "h100-80gb", "GH200": "h100-80gb", "H200": "h200"}
+PLAN_RATIOS = {"plan_iteration_ratio": "iteration time", "plan_tokens_per_second_ratio": "tokens/s",
+               "plan_memory_ratio": "peak reserved memory"}
+"""The trainer's measured / planned figures in metrics.jsonl (training.plan_hardware), reported per config."""
 WARMUP_STEPS = 10
 """Steps left out of the measured figures: CUDA context, cuBLAS heuristics and the caching allocator settle."""
 GIB = 2**30
@@ -107,6 +110,9 @@ def measured(run: Path, config: str) -> dict[str, float | None]:
         result["tflops"] = statistics.median(r["tflops_per_gpu"] for r in records)
         mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
         result["mfu"] = statistics.median(mfus) if mfus else None
+        for key in PLAN_RATIOS:  # the trainer's own measured / planned (training/plan_check.py), when it planned
+            ratios = [r[key] for r in records if r.get(key) is not None]
+            result[key] = statistics.median(ratios) if ratios else None
     log = (run / f"{config}.log").read_text(errors="replace") if (run / f"{config}.log").exists() else ""
     memory = re.search(r"\[memory\] rank 0 \| peak allocated ([\d.]+) GiB \| peak reserved ([\d.]+) GiB", log)
     result["allocated_gib"], result["reserved_gib"] = (float(memory[1]), float(memory[2])) if memory else (None, None)
@@ -142,6 +148,9 @@ def report(run: Path, configs: list[str]) -> int:
         print(f"{config:<8}{got['steps']:>6.0f}  {_pair(got.get('seconds'), plan['seconds'], '.3f'):>15}  "
               f"{_pair(got.get('tflops'), plan['tflops'], '.1f'):>15}  {_pair(got.get('mfu'), plan['mfu'], '.1%'):>15}  "
               f"{memory + ' / ' + format(plan['peak_gib'], '.2f'):>38}")
+        ratios = [f"{name} {got[key]:.3f}" for key, name in PLAN_RATIOS.items() if got.get(key) is not None]
+        print(f"{'':<8}the trainer's measured / planned (training/plan_check.py, median): "
+              f"{', '.join(ratios) if ratios else 'n/a (no plan logged)'}")
     return status
 
 

@@ -15,8 +15,11 @@
 #      tokens against transformers' generate(); a run stopped at step 20 (sync saves) and resumed from its
 #      checkpoint against the straight run, which saves asynchronously at steps 10, 20, 30 (of --steps 30); the stall of those saves
 #      against the sync ones. Parts that need two ranks are skipped on one GPU (NCCL cannot put two ranks on one);
+#      The 125m run dumps a CUDA memory snapshot after step 3 (training.memory_snapshot, Python stacks), checked
+#      for its segments and allocation history; both runs log measured / planned at every step (training.plan_hardware);
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
-#      predicts, then every check with pass, fail or skip and its figure; exits 1 if any failed.
+#      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
+#      figure; exits 1 if any failed.
 #
 # Usage: bash scripts/gpu_smoke.sh [--dry-run] [--skip-install] [--steps N] [--gpu PRESET] [--allow-cpu]
 #                                  [--set BLOCK.FIELD=VALUE ...]
@@ -112,8 +115,11 @@ RUN_SETS=(--set parallelism.tensor_parallel_size=1 --set parallelism.pipeline_pa
           --set bf16.enabled=true --set model.precision=bf16
           --set train_batch_size=$GLOBAL_BATCH --set schedule.batch={})
 SAVE_EVERY=$(( STEPS >= 3 ? STEPS / 3 : 1 ))  # 10 of 30: saves at 10, 20, 30
+SNAPSHOT_STEP=$(( STEPS >= 3 ? 3 : STEPS ))
+SNAPSHOT_SET='training.memory_snapshot={"step": '$SNAPSHOT_STEP', "on_oom": false, "stacks": "python"}'
 STOP_AT=$(( 2 * SAVE_EVERY ))
-# train CONFIG SAVE MAX_STEPS SAVE_INTERVAL MODE LOG: one training run through the launcher, its output in LOG.
+# train CONFIG SAVE MAX_STEPS SAVE_INTERVAL MODE LOG [--set X=Y ...]: one training run through the launcher, its
+# output in LOG; the --set items after LOG are for this run only.
 # deepspeed.launcher.runner is what the `deepspeed` command runs; as a module it runs on $PY, whatever PATH says.
 train() {
     local command=(timeout --kill-after=30 "$TRAIN_TIMEOUT_S" "$PY" -m deepspeed.launcher.runner --num_gpus 1
@@ -121,7 +127,7 @@ train() {
                    --ds_config "ds_configs/$1.json" --data-path "$RUN/data/botchan_text_document" "${RUN_SETS[@]}"
                    --set "training.max_steps=$3" --set training.log_interval=1 --set training.eval_iters=1
                    --set "training.save=$2" --set "training.save_interval=$4"
-                   --set "training.checkpoint_mode=$5" "${EXTRA_SETS[@]}")
+                   --set "training.checkpoint_mode=$5" "${@:7}" "${EXTRA_SETS[@]}")
     if [ "$DRY_RUN" = 1 ]; then run "${command[@]}"; return 0; fi
     mkdir -p "$RUN"
     run "${command[@]}" 2>&1 | tee "$6"
@@ -130,8 +136,11 @@ train() {
 for CONFIG in "${CONFIGS[@]}"; do
     echo "== 3. train $CONFIG: $STEPS steps on 1 GPU, bf16, TP 1 x PP 1, global batch $GLOBAL_BATCH"
     # 125m saves every STEPS / 3 (async): the resume and stall checks read those saves; 1.3b at its end only.
-    INTERVAL=0; if [ "$CONFIG" = 125m ]; then INTERVAL=$SAVE_EVERY; fi
-    train "$CONFIG" "$RUN/$CONFIG" "$STEPS" "$INTERVAL" async "$RUN/$CONFIG.log" || true
+    # Both log measured against planned on tools/plan.py's preset (training/plan_check.py); 125m also records the
+    # CUDA allocator's history and dumps a snapshot after step 3 (training/memory_snapshot.py), then stops recording.
+    INTERVAL=0; SNAPSHOT=(); if [ "$CONFIG" = 125m ]; then INTERVAL=$SAVE_EVERY; SNAPSHOT=(--set "$SNAPSHOT_SET"); fi
+    train "$CONFIG" "$RUN/$CONFIG" "$STEPS" "$INTERVAL" async "$RUN/$CONFIG.log" \
+        --set "training.plan_hardware=${HARDWARE[1]}" "${SNAPSHOT[@]}" || true
     PLAN=("$PY" tools/plan.py --ds_config "ds_configs/$CONFIG.json" --nodes 1 --gpus-per-node 1 "${HARDWARE[@]}"
           "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" --json)
     if [ "$DRY_RUN" = 1 ]; then run "${PLAN[@]}"; continue; fi
@@ -163,6 +172,7 @@ train 125m "$RUN/125m-resume" "$STEPS" "$SAVE_EVERY" async "$RUN/125m-resumed.lo
 run "$PY" "${CHECK[@]}" resume "$RUN" 4 "$CKPT/metrics.jsonl" "$RUN/125m-stopped.jsonl" \
     "$RUN/125m-resume/metrics.jsonl" || true
 run "$PY" "${CHECK[@]}" stall "$RUN" 5 --sync-log "$RUN/125m-stopped.log" --async-log "$RUN/125m.log" || true
+run "$PY" "${CHECK[@]}" memory-snapshot "$RUN" 7 "$CKPT/memory/snapshot_step${SNAPSHOT_STEP}_rank0.pickle" || true
 GPUS=1
 if [ "$DRY_RUN" = 0 ]; then GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" || echo 0); fi
 if [ "$GPUS" -ge 2 ]; then
@@ -177,4 +187,4 @@ fi
 
 echo "== 6. measured beside tools/plan.py's prediction, and every check"
 run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" || true
-run "$PY" "${CHECK[@]}" summary "$RUN" 6 "${CONFIGS[@]}"
+run "$PY" "${CHECK[@]}" summary "$RUN" 7 "${CONFIGS[@]}"

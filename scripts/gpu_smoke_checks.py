@@ -16,6 +16,9 @@
     stall                   the logs' "training stopped for X s" of sync and async    async / sync <= STALL_RATIO
                             saves (the first async save, which allocates the host
                             buffers, reported apart)
+    memory-snapshot         the 125m run's training.memory_snapshot at step 3         the pickle holds segments and
+                            (torch.cuda.memory._dump_snapshot, Python stacks)         allocation events with Python
+                                                                                      frames
     skip                    a part that cannot run here, with the reason              (always "skip")
 
 Each record is RUN/checks/<NN>-<name>.json: {"check", "status": "pass" | "fail" | "skip", "figure"}. `summary RUN`
@@ -215,6 +218,27 @@ def stall(sync_logs: list[Path], async_logs: list[Path]) -> tuple[str, str]:
     return ("pass" if ratio <= STALL_RATIO else "fail"), figure
 
 
+# -- the memory snapshot --------------------------------------------------------------------------------------------
+
+def memory_snapshot(path: Path) -> tuple[str, str]:
+    """The snapshot training.memory_snapshot dumped: allocator segments, and allocation events recorded since the
+    trainer started, with Python frames (stacks "python")."""
+    import pickle
+
+    if not path.exists():
+        return "fail", f"no snapshot at {path}"
+    with open(path, "rb") as file:  # our own run's file (torch.cuda.memory._dump_snapshot writes a pickle)
+        snapshot = pickle.load(file)
+    segments = snapshot.get("segments", [])
+    events = [event for trace in snapshot.get("device_traces", []) for event in trace]
+    python = [event for event in events if any(str(frame.get("filename", "")).endswith(".py")
+                                                 for frame in event.get("frames", []))]
+    reserved = sum(segment.get("total_size", 0) for segment in segments) / 2**30
+    figure = (f"{path.name}: {len(segments)} segments ({reserved:.2f} GiB reserved), {len(events)} allocator events, "
+              f"{len(python)} with Python frames, {path.stat().st_size / 2**20:.1f} MiB")
+    return ("pass" if segments and python else "fail"), figure
+
+
 # -- the table ------------------------------------------------------------------------------------------------------
 
 def summary(run: Path, configs: list[str], expected: int) -> int:
@@ -227,12 +251,15 @@ def summary(run: Path, configs: list[str], expected: int) -> int:
         except (OSError, KeyError, ValueError, json.JSONDecodeError) as error:
             rows.append((f"train {config}", "fail", f"no result: {error}"))
             continue
-        ok = got.get("tflops") is not None
+        ok = got.get("tflops") is not None and got.get("plan_iteration_ratio") is not None  # and it was planned
         memory = "n/a" if got["allocated_gib"] is None else f"{got['allocated_gib']:.2f}"
         mfu = "n/a" if got.get("mfu") is None else f"{got['mfu']:.1%}"
+        ratios = ", ".join(f"{name} {got[key]:.2f}" for key, name in gpu_smoke.PLAN_RATIOS.items()
+                           if got.get(key) is not None) or "n/a"
         rows.append((f"train {config} (bf16, TP 1 x PP 1)", "pass" if ok else "fail",
                      f"{got.get('tokens_per_second', 0):,.0f} tokens/s, {got.get('tflops') or 0:.1f} TFLOP/s, MFU "
-                     f"{mfu} (plan {plan['mfu']:.1%}), peak {memory} GiB (plan {plan['peak_gib']:.2f})"))
+                     f"{mfu} (plan {plan['mfu']:.1%}), peak {memory} GiB (plan {plan['peak_gib']:.2f}); the "
+                     f"trainer's measured / planned: {ratios}"))
     records = sorted((run / "checks").glob("*.json")) if (run / "checks").exists() else []
     rows += [(r["check"], r["status"], r["figure"]) for r in map(lambda p: json.loads(p.read_text()), records)]
     if len(records) < expected:
@@ -254,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                  "tokenizer"],
                             "compare-generate": ["run", "order", "ours", "theirs"],
                             "resume": ["run", "order", "straight", "stopped", "resumed"],
-                            "skip": ["run", "order", "check", "reason"], "summary": ["run", "expected"]}.items():
+                            "skip": ["run", "order", "check", "reason"], "summary": ["run", "expected"],
+                            "memory-snapshot": ["run", "order", "snapshot"]}.items():
         command = commands.add_parser(name)
         for argument in arguments:
             command.add_argument(argument)
@@ -291,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "resume": lambda: ("resume from an async checkpoint",
                            *resume(Path(args.straight), Path(args.stopped), Path(args.resumed))),
         "stall": lambda: ("checkpoint stall, async against sync", *stall(args.sync_log, args.async_log)),
+        "memory-snapshot": lambda: ("CUDA memory snapshot (training.memory_snapshot)",
+                                    *memory_snapshot(Path(args.snapshot))),
         "skip": lambda: (args.check, "skip", args.reason),
     }
     check, status, figure = checks[args.command]()

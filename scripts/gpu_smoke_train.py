@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""train.py, then this rank's peak CUDA memory, for scripts/gpu_smoke.sh (the trainer does not log memory yet).
+"""train.py, then this rank's peak CUDA memory over the whole run, for scripts/gpu_smoke.sh (the trainer's log has the
+peak of each log window: training/memory_snapshot.py).
 
     deepspeed --num_gpus 1 scripts/gpu_smoke_train.py --ds_config ds_configs/125m.json --set training.max_steps=30
 

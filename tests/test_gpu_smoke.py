@@ -91,6 +91,9 @@ def test_dry_run_trains_both_configs_30_steps_bf16_tp1_pp1_on_one_gpu(dry_run):
         assert config.training.save_interval == (10 if name == "125m" else 0)  # the stall check reads 125m's saves
         assert config.batch_schedule()(0) == config.global_batch_size == 64  # a fixed batch from the first step
         assert config.deepspeed["optimizer"]["params"]["torch_adam"] is True  # nothing to compile on the GPU
+        assert config.training.plan_hardware == "h200"  # measured / planned at every step, on tools/plan.py's preset
+        snapshot = config.training.memory_snapshot  # 125m: a CUDA memory snapshot after step 3, Python stacks
+        assert snapshot == ({"step": 3, "on_oom": False, "stacks": "python"} if name == "125m" else None)
 
 
 def test_dry_run_plans_the_same_runs_and_they_fit(dry_run):
@@ -145,11 +148,14 @@ def test_dry_run_stops_and_resumes_the_125m_run_in_one_checkpoint_directory(dry_
     assert stopped.training.save_interval == resumed.training.save_interval == 10
     commands = [w for w in dry_run if any(Path(word).name == "gpu_smoke_checks.py" for word in w)]
     names = [words[2] for words in commands]
-    assert names == ["flash", "hflm", "compare-eval", "hf-generate", "compare-generate", "resume", "stall", "skip",
-                     "summary"]
+    assert names == ["flash", "hflm", "compare-eval", "hf-generate", "compare-generate", "resume", "stall",
+                     "memory-snapshot", "skip", "summary"]
     parsed = [checks.build_parser().parse_args(words[2:]) for words in commands]  # each parses as the script runs it
     orders = sorted(int(args.order) for args in parsed if hasattr(args, "order"))
-    assert orders == list(range(1, 7)) and parsed[-1].expected == "6"  # the summary expects every record
+    assert orders == list(range(1, 8)) and parsed[-1].expected == "7"  # the summary expects every record
+    snapshot = parsed[names.index("memory-snapshot")].snapshot  # where the 125m run's trainer dumps it
+    assert snapshot == "runs/gpu_smoke/125m/memory/snapshot_step3_rank0.pickle"
+    assert [config.training.memory_snapshot for config in (stopped, resumed)] == [None, None]
     from tools.evaluate import build_parser as evaluate_parser
     from tools.generate import build_parser as generate_parser
 
@@ -211,3 +217,25 @@ def test_summary_counts_a_missing_record_as_a_failure(tmp_path, capsys):
     assert "all passed" in out and re.search(r"\n1 check\(s\) +fail +did not write a record", out)
     checks.write_record(tmp_path, 3, "stall", "fail", "ratio 0.5")
     assert checks.summary(tmp_path, [], expected=3) == 1
+
+
+def test_the_report_prints_the_trainers_measured_over_planned(tmp_path, capsys):
+    import gpu_smoke
+
+    (tmp_path / "125m").mkdir()
+    records = [{"kind": "train", "step": s, "global_batch": 64, "samples_per_second": 64.0, "tokens_per_second": 1e5,
+                "tflops_per_gpu": 100.0, "mfu": 0.1, "plan_iteration_ratio": 1.0 + s / 100,
+                "plan_tokens_per_second_ratio": 1 / (1.0 + s / 100), "plan_memory_ratio": None} for s in range(1, 31)]
+    (tmp_path / "125m" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plan = {"plans": [{"full_batch": {"seconds": 1.0, "tflops_per_gpu": 90.0, "mfu": 0.09}, "memory": [{"total": 2**30}]}]}
+    (tmp_path / "125m.plan.json").write_text(json.dumps(plan))
+    got = gpu_smoke.measured(tmp_path, "125m")
+    assert got["plan_iteration_ratio"] == pytest.approx(1.205) and got["plan_memory_ratio"] is None  # steps 11-30
+    assert gpu_smoke.report(tmp_path, ["125m"]) == 0
+    assert "measured / planned (training/plan_check.py, median): iteration time 1.205, tokens/s 0.830" in \
+        capsys.readouterr().out
+
+
+def test_the_snapshot_check_fails_without_the_snapshot(tmp_path):
+    status, figure = checks.memory_snapshot(tmp_path / "memory" / "snapshot_step3_rank0.pickle")
+    assert status == "fail" and figure.startswith("no snapshot at")

@@ -161,6 +161,11 @@ class TrainingConfig:
     wandb extra (pip install .[wandb]). None: off."""
     peak_tflops_per_gpu: float | None = None
     """For MFU: the GPU's dense peak (bf16/fp16), TFLOP/s. Default: detected from the GPU name, none on CPU."""
+    plan_hardware: str | dict[str, Any] | None = None
+    """Log measured against planned (training/plan_check.py) on this planner/hardware.py GPU_PRESETS name or dict of
+    its fields. Default: the visible GPU's preset, none on CPU."""
+    memory_snapshot: dict[str, Any] | None = None
+    """CUDA allocator snapshots (training/memory_snapshot.py): {"step", "on_oom", "stacks", "max_entries"}."""
     init_from: str | None = None
     """Initialise the weights from this checkpoint (e.g. one made by tools/convert_from_hf.py, or a pretraining run's
     checkpoint directory) with a fresh optimizer, when the save directory holds no checkpoint yet. The schedules
@@ -259,6 +264,8 @@ class TrainingConfig:
             raise ValueError("training.profile writes its traces beside the checkpoints: set training.save")
         self.profile_config()
         self.wandb_config()
+        from training import memory_snapshot, plan_check  # each names its own bad field
+        memory_snapshot.snapshot_config(self), plan_check.hardware_of(self.plan_hardware)
         guard = self.spike_guard_config()
         if guard.rollback and not self.save:
             raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")

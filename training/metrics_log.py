@@ -24,9 +24,13 @@ CONSOLE_FIELDS = [
     ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_load_imbalance", "expert load max/mean {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
     ("tokens_per_second_per_gpu", "{:,.0f} tokens/s/GPU"), ("fraction_done", "{:.1%} done"),
-    ("eta_seconds", "ETA {}"),
+    ("eta_seconds", "ETA {}"), ("iteration_seconds", "{:.4g} s/step"),
     ("tflops_per_gpu", "{:.3f} TFLOP/s/GPU"), ("mfu", "MFU {:.1%}"), ("hfu", "HFU {:.1%}"),
-    ("peak_memory_gib", "peak {:.1f} GiB"),
+    ("peak_memory_gib", "peak {:.1f} GiB"), ("peak_memory_allocated_gib", "window peak {:.2f} GiB allocated"),
+    ("peak_memory_reserved_gib", "{:.2f} GiB reserved"),
+    # measured / planned (training/plan_check.py): > 1 slower (time), < 1 slower (tokens/s)
+    ("plan_iteration_ratio", "time/plan {:.3f}"), ("plan_tokens_per_second_ratio", "tokens/s / plan {:.3f}"),
+    ("plan_memory_ratio", "reserved/plan {:.3f}"),
 ]
 
 

@@ -36,10 +36,12 @@ from training.engine import pipeline_schedule_of
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
 from training.loss_normalization import clear_step_tokens, set_step_tokens, take_micro_batches
+from training.memory_snapshot import MemoryMonitor, snapshot_config
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
+from training.plan_check import open_plan_check
 from training.profiling import StepProfiler
 from training.schedules import future_batches, pipeline_slots
 from training.spikes import in_ignored_warmup
@@ -121,6 +123,12 @@ class Trainer:
                                           config.training.z_loss, lambda: next(iter(self.make_train_loader(0))))
         self.moe = MoEMonitor(engine.module, config.model, ctx)
         self.profiler = StepProfiler(config.training.profile_config(), engine, dist.get_rank(), config.training.save)
+        # the CUDA allocator's history and snapshots, the log's peak memory (training/memory_snapshot.py)
+        self.memory = MemoryMonitor(snapshot_config(config.training), config.training.save, dist.get_rank(),
+                                    self.logger.info)
+        # measured against the planner's figures for this layout, on rank 0, which logs (training/plan_check.py)
+        self.plan_check = open_plan_check(config, dist.get_world_size(), self.logger.info) \
+            if dist.get_rank() == 0 else None
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
         self.spike_detector = self.spike_guard.config.detector()
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
@@ -130,12 +138,16 @@ class Trainer:
         self.resume()
         self.logger.start_wandb(resumed=self.saved_step is not None, layout={
             "world_size": dist.get_world_size(), "data_parallel_size": self.ctx.data_parallel_size})
+        if self.plan_check is not None:  # the plan's start-up figures beside the run's scalars (plan/...)
+            self.logger.log_scalars("plan", self.state.step, self.plan_check.summary())
         loader = self._loader()
         stop = StopRequest()
         window = _Window()
         try:
             while not self.finished():
-                loss, skipped = self.train_step(loader)
+                with self.memory.guard(self.state.step + 1):  # on OOM: a snapshot, then the error
+                    loss, skipped = self.train_step(loader)
+                self.memory.after_step(self.state.step)
                 if not skipped:
                     self.state.consecutive_skips = 0
                 status = self._agree_on_status(stop)
@@ -176,6 +188,7 @@ class Trainer:
             stop.restore()
             if self.checkpointer is not None:
                 self.checkpointer.close()
+            self.memory.close()
             self.logger.close()
 
     def _loader(self):
@@ -330,8 +343,10 @@ class Trainer:
             "model_tflops_per_gpu": model_achieved,
             "hfu": mfu(achieved, self.peak_tflops),
             "mfu": mfu(model_achieved, self.peak_tflops),
-            # the largest allocation of this rank so far (rank 0: the first stage, which holds the most micro-batches)
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "iteration_seconds": throughput["seconds"] / throughput["steps"],
+            # CUDA: rank 0's largest allocation so far (the first stage, which holds the most micro-batches), and
+            # its peak allocated and reserved in this window (training/memory_snapshot.py); None on CPU
+            **self.memory.window_peaks(),
             **self.noise_scale.last,
         }
         stability = self.stability.take()  # collective: every rank, every logged step
@@ -339,6 +354,8 @@ class Trainer:
             record["objective"], record["loss"] = loss, loss - stability["z_loss"]  # the loss stays the cross-entropy
         record.update(stability)
         record.update(self.moe.take())  # collective when the model has experts: every rank, every logged step
+        if self.plan_check is not None:  # the plan at the window's own batches, and measured / planned
+            record.update(self.plan_check.compare(throughput["batches"], throughput["seconds"], record))
         self.logger.log("train", record)
 
     def evaluate(self) -> float | None:
@@ -475,19 +492,22 @@ class Trainer:
 
 
 class _Window:
-    """Samples, FLOPs, pipeline slots (training/schedules.py pipeline_slots) and wall time since the last log line."""
+    """Samples, FLOPs, pipeline slots (training/schedules.py pipeline_slots), each step's global batch and wall time
+    since the last log line: everything between two log lines, evaluations and checkpoint stalls included."""
 
     def __init__(self) -> None:
         self.start, self.samples, self.flops, self.slots = time.perf_counter(), 0, 0.0, 0
+        self.batches: list[int] = []
 
     def add(self, state: TrainState, flops: float, slots: int) -> None:
         self.samples += state.global_batch
         self.flops += flops
         self.slots += slots
+        self.batches.append(state.global_batch)
 
-    def take(self) -> dict[str, float]:
+    def take(self) -> dict[str, Any]:
         now = time.perf_counter()
         out = {"seconds": max(now - self.start, 1e-9), "samples": self.samples, "flops": self.flops,
-               "slots": self.slots}
-        self.start, self.samples, self.flops, self.slots = now, 0, 0.0, 0
+               "slots": self.slots, "steps": max(len(self.batches), 1), "batches": self.batches}
+        self.start, self.samples, self.flops, self.slots, self.batches = now, 0, 0.0, 0, []
         return out
