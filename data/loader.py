@@ -18,6 +18,18 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
     the end-of-document token: the prediction that crosses into the next document (Megatron-LM's
     _get_ltor_masks_and_position_ids, ``loss_mask[data == eod_token] = 0``). The end-of-document token itself is
     still learnt as a label, so a model trained with it learns to end a document.
+
+Packed documents (Megatron-LM's reset_attention_mask and reset_position_ids, on the same end-of-document tokens): a
+document ends at its end-of-document token, and the next starts after it. With either flag the first stage's inputs
+gain the document of each token::
+
+    ((tokens, position_ids, segment_ids), (labels, loss_mask))
+    segment_ids: int64 (mb, seq_length), the number of end-of-document tokens before each position
+                 (reset_attention_mask; all 0 without: one document)
+    position_ids: each token's position in its document (reset_position_ids; 0 .. s-1 without)
+
+and attention is block-diagonal causal (model/gpt.py, document_mask): what Megatron-LM's
+_get_ltor_masks_and_position_ids gives on the same tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, check_vocab_size
 
-MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+MicroBatch = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]  # inputs: 2 or 3 tensors
 
 
 class SampleDataset(Protocol):
@@ -52,7 +64,8 @@ class MicroBatchLoader:
 
     def __init__(self, dataset: SampleDataset, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, consumed_samples: int = 0, eod_mask_loss: bool = False,
-                 eod_token_id: int | None = None) -> None:
+                 eod_token_id: int | None = None, reset_attention_mask: bool = False,
+                 reset_position_ids: bool = False) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
@@ -60,8 +73,10 @@ class MicroBatchLoader:
                              f"of {data_parallel_size}")
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        if eod_mask_loss and eod_token_id is None:
-            raise ValueError("eod_mask_loss needs eod_token_id (the tokenizer's end-of-document id)")
+        for flag, name in ((eod_mask_loss, "eod_mask_loss"), (reset_attention_mask, "reset_attention_mask"),
+                           (reset_position_ids, "reset_position_ids")):
+            if flag and eod_token_id is None:
+                raise ValueError(f"{name} needs eod_token_id (the tokenizer's end-of-document id)")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
@@ -69,6 +84,7 @@ class MicroBatchLoader:
         self.consumed_samples = consumed_samples
         self.eod_mask_loss = eod_mask_loss
         self.eod_token_id = eod_token_id
+        self.reset_attention_mask, self.reset_position_ids = reset_attention_mask, reset_position_ids
 
     @property
     def samples_per_micro_batch(self) -> int:
@@ -111,7 +127,11 @@ class MicroBatchLoader:
             loss_mask = torch.from_numpy(np.ascontiguousarray(sample_masks[:, 1:], dtype=np.float32))
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_token_id] = 0.0
-        return (tokens, position_ids), (labels, loss_mask)
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return (tokens, position_ids), (labels, loss_mask)
+        segment_ids, in_document = documents(tokens, self.eod_token_id)
+        return ((tokens, in_document if self.reset_position_ids else position_ids,
+                 segment_ids if self.reset_attention_mask else torch.zeros_like(segment_ids)), (labels, loss_mask))
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
@@ -121,6 +141,17 @@ class MicroBatchLoader:
         if consumed < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed}")
         self.consumed_samples = consumed
+
+
+def documents(tokens: torch.Tensor, eod_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents of packed samples (b, s): each token's document (how many end-of-document tokens come before
+    it) and its position in that document (0 after each end-of-document token, which ends the document it closes)."""
+    ends = (tokens == eod_token_id).long()
+    segment_ids = ends.cumsum(dim=1) - ends  # the end token belongs to the document it closes
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    next_start = torch.where(ends.bool(), index + 1, 0).cummax(dim=1).values  # after the last end token so far
+    start = torch.cat([torch.zeros_like(next_start[:, :1]), next_start[:, :-1]], dim=1)  # ... strictly before
+    return segment_ids, index - start
 
 
 Transfer = Callable[[MicroBatch], MicroBatch]

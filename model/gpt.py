@@ -14,7 +14,18 @@ What flows between layers (and between pipeline stages) is documented here, once
     loss_fn(logits, (labels, loss_mask)) -> scalar: masked mean over the micro-batch's tokens
 
 RoPE rotates q and k inside each block's attention at positions 0 .. s-1 of the sample, which is what position_ids
-always holds (data/loader.py): so the tuple between stages stays the hidden tensor alone, for every architecture.
+holds by default (data/loader.py): so the tuple between stages stays the hidden tensor alone, for every architecture.
+
+Packed samples (data.reset_attention_mask / data.reset_position_ids) add one tensor to the first stage's batch:
+
+    batch for the first stage   (tokens, position_ids, segment_ids)   segment_ids (b, s) int64: the document of each
+                                                                        token; position_ids restart at each document
+    between the position layer and the final norm: (hidden, position_ids, segment_ids)   <- sent between stages
+
+The two id tensors travel beside the hidden state with static shapes (whole (b, s) also under sequence parallelism;
+DeepSpeed sends them and, being integers, expects no gradient for them), every block's attention masks across
+documents (``document_mask``: block-diagonal causal) and rotates RoPE at each token's position in its document, and
+the final norm drops them.
 
 The pieces that differ between architectures are chosen from the config by the tables below (POSITION_LAYERS,
 NORMS, FINAL_NORMS, MLPS); the skeleton (embedding -> blocks -> norm -> head) is one.
@@ -65,6 +76,9 @@ from model.moe import MoEBlock, MoEMLP, sparse_layers
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
+Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""What a block takes and gives: the hidden state, or (hidden, position_ids, segment_ids) for packed samples."""
+
 EMBEDDING_LAYER = 0  # layer_number of the embeddings in seeds; blocks are 1..L, the final norm L + 1
 
 
@@ -81,9 +95,9 @@ class WordEmbedding(VocabParallelEmbedding):
                          vocab_size=config.vocab_size, init_std=config.init_method_std,
                          seed=parameter_seed(seed, EMBEDDING_LAYER, "word_embeddings"))
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, position_ids = inputs  # (b, s), (b, s)
-        return super().forward(tokens), position_ids  # (b, s, h), (b, s)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        tokens, *positions_and_documents = inputs  # (b, s), then (b, s) position_ids [, (b, s) segment_ids]
+        return super().forward(tokens), *positions_and_documents  # (b, s, h), ...
 
 
 def output_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,10 +153,11 @@ class PositionEmbedding(nn.Module):
         normal_sharded_(self.weight, config.init_method_std, parameter_seed(seed, EMBEDDING_LAYER, "position"))
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        word_embeddings, position_ids = inputs  # (b, s, h) or this rank's (b, s/R, h), (b, s)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Hidden:
+        word_embeddings, position_ids, *documents = inputs  # (b, s, h) or this rank's (b, s/R, h), (b, s) [, (b, s)]
         positions = _sequence_shard(self.ctx, position_ids, word_embeddings.shape[1])
-        return self.dropout(word_embeddings + F.embedding(positions, self.weight))  # like word_embeddings
+        hidden = self.dropout(word_embeddings + F.embedding(positions, self.weight))  # like word_embeddings
+        return (hidden, position_ids, *documents) if documents else hidden
 
 
 class EmbeddingDropout(nn.Module):
@@ -152,12 +167,22 @@ class EmbeddingDropout(nn.Module):
         super().__init__()
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        word_embeddings, _ = inputs  # (b, s, h), (b, s): RoPE uses positions 0 .. s-1 (the module docstring)
-        return self.dropout(word_embeddings)  # (b, s, h)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Hidden:
+        word_embeddings, position_ids, *documents = inputs  # RoPE acts in attention (the module docstring)
+        hidden = self.dropout(word_embeddings)  # (b, s, h)
+        return (hidden, position_ids, *documents) if documents else hidden
 
 
 POSITION_LAYERS = {"learned": PositionEmbedding, "rope": EmbeddingDropout}
+
+
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(b, 1, s, s) bool, True where query i may attend to key j: j <= i and both in the same document (the same
+    segment id). The block-diagonal causal mask of packed samples, Megatron's reset_attention_mask."""
+    length = segment_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    same_document = segment_ids[:, :, None] == segment_ids[:, None, :]  # (b, s, s)
+    return (same_document & causal).unsqueeze(1)
 
 
 class KVCache:
@@ -224,7 +249,10 @@ class SelfAttention(nn.Module):
         self.layer_number = layer_number
         self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``, ``segment_ids`` (b, s): a packed sample's positions and documents (documents never see
+        each other; RoPE at each token's position in its document); without, one causal sequence 0 .. s-1."""
         qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
         b, s = qkv.shape[:2]
         per_group = self.queries_per_group
@@ -235,31 +263,39 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:  # on each head's d features, before RoPE (Qwen3's order)
             q, k = self.q_norm(q), self.k_norm(k)
         past = 0 if self.kv_cache is None else self.kv_cache.length
+        if segment_ids is not None and self.kv_cache is not None:
+            raise ValueError("document masks (packed samples) are for training: a KV cache holds one sequence")
         if self.rotary is not None:
-            q, k = self.rotary(q, k, offset=past)
+            q, k = self.rotary(q, k, offset=past, position_ids=position_ids)
         if self.kv_cache is not None:
             k, v = self.kv_cache.extend(k, v)  # each (b, g/R, past + s, d)
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = checkpoint(self.rng, self.core, q, k, v)
+            context = checkpoint(self.rng, self.core, q, k, v, segment_ids)
         else:
-            context = self.core(q, k, v)  # (b, nh/R, s, d)
+            context = self.core(q, k, v, segment_ids)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
         return self.dense(context)  # (b, s, h)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns.
 
         With a KV cache the s queries are the last s of the keys' positions: one query sees every key, several see
-        the keys up to their own position (a bottom-right causal mask)."""
+        the keys up to their own position (a bottom-right causal mask). With ``segment_ids`` (b, s) the mask is
+        block-diagonal causal: a query sees the keys up to its own position in its own document (``document_mask``;
+        made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
         dropout = self.dropout if self.training else 0.0
         queries, keys = q.shape[-2], k.shape[-2]
         mask = None
-        if keys > queries > 1:
+        if segment_ids is not None:
+            mask = document_mask(segment_ids)  # (b, 1, s, s)
+        elif keys > queries > 1:
             mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
         if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
             self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k))
         with self.rng.fork(enabled=dropout > 0):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=queries == keys,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  is_causal=queries == keys and segment_ids is None,
                                                   dropout_p=dropout,
                                                   enable_gqa=self.queries_per_group > 1)  # (b, nh/R, s, d)
 
@@ -357,13 +393,19 @@ class TransformerLayer(nn.Module):
             self.mlp = MLPS[config.mlp](config, ctx, seed, layer_number)
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, self.rng)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Hidden) -> Hidden:
+        """The hidden state alone, or with a packed sample's (position_ids, segment_ids), passed on untouched."""
+        hidden, documents = (x[0], x[1:]) if isinstance(x, tuple) else (x, ())
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
-            return checkpoint(self.rng, self.block, x)
-        return self.block(x)
+            hidden = checkpoint(self.rng, self.block, hidden, *documents)
+        else:
+            hidden = self.block(hidden, *documents)
+        return (hidden, *documents) if documents else hidden
 
-    def block(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x)))  # (b, s, h), or (b, s/R, h) with sequence parallelism
+    def block(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+              segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        attention = self.attention(self.ln1(x), position_ids, segment_ids)
+        x = x + self.dropout(attention)  # (b, s, h), or (b, s/R, h) with sequence parallelism
         return x + self.dropout(self.mlp(self.ln2(x)))
 
     def extra_repr(self) -> str:
@@ -371,13 +413,21 @@ class TransformerLayer(nn.Module):
 
 
 class FinalLayerNorm(nn.LayerNorm):
+    """The last norm: where a packed sample's positions and documents end (the head sees the hidden state alone)."""
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, x: Hidden) -> torch.Tensor:
+        return super().forward(x[0] if isinstance(x, tuple) else x)
 
 
 class FinalRMSNorm(RMSNorm):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, x: Hidden) -> torch.Tensor:
+        return super().forward(x[0] if isinstance(x, tuple) else x)
 
 
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
@@ -521,8 +571,11 @@ class GPT(nn.Module):
         self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)
         self.output_head = None if config.tie_word_embeddings else OutputHead(config, self.ctx, seed)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.position_embedding(self.word_embeddings((tokens, position_ids)))
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``segment_ids`` (b, s): the documents of packed samples (module docstring), or None: one sequence."""
+        documents = () if segment_ids is None else (segment_ids,)
+        hidden = self.position_embedding(self.word_embeddings((tokens, position_ids, *documents)))
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_norm(hidden)
@@ -530,5 +583,5 @@ class GPT(nn.Module):
             return output_logits(self.word_embeddings, hidden)  # (b, s, V/R)
         return self.output_head(hidden)  # (b, s, V/R)
 
-    def loss(self, tokens, position_ids, labels, loss_mask) -> torch.Tensor:
-        return gpt_loss(self.ctx, self(tokens, position_ids), (labels, loss_mask))
+    def loss(self, tokens, position_ids, labels, loss_mask, segment_ids=None) -> torch.Tensor:
+        return gpt_loss(self.ctx, self(tokens, position_ids, segment_ids), (labels, loss_mask))

@@ -310,6 +310,16 @@ def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rope_cos_sin_at(inv_freq: torch.Tensor, position_ids: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (b, 1, s, d) at each sample's own positions ``position_ids`` (b, s): positions that restart at each
+    document of a packed sample (data.reset_position_ids). The same operations as ``rope_cos_sin``, so positions
+    0 .. s-1 give the same values."""
+    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (b, s, d/2)
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (b, 1, s, d): one rotation for every head
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each head of x (b, heads, s, d) by its position: x cos + rotate_half(x) sin, as transformers does."""
     half = x.shape[-1] // 2
@@ -319,7 +329,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """RoPE on this rank's q and k heads (b, heads, s, d) at positions offset .. offset + s - 1 (offset: the tokens a KV
-    cache already holds, 0 in training); no parameters, nothing sharded.
+    cache already holds, 0 in training), or at given per-token positions; no parameters, nothing sharded.
 
     The frequencies are a plain fp32 tensor, not a buffer: a bf16 cast of the model (DeepSpeed's) must not round
     them, and a checkpoint need not hold them (they follow from the config)."""
@@ -329,8 +339,14 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (d/2,) fp32
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset)  # each (s, d)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids`` (b, s): each token's position in its document (packed samples, training only);
+        without, positions offset .. offset + s - 1."""
+        if position_ids is not None:
+            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, q.dtype)  # each (b, 1, s, d)
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset)  # each (s, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def extra_repr(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
@@ -177,3 +178,24 @@ def test_training_on_chat_data_with_token_normalization(chat, tmp_path) -> None:
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
     print("losses", losses)
     assert losses[-1] < losses[0], losses
+
+
+def test_packed_conversations_get_their_documents(chat) -> None:
+    """data.reset_attention_mask / reset_position_ids on chat data (each conversation closed by the end token):
+    the loader training builds yields each token's conversation and its position in it, through the fault wrapper
+    the trainer puts around it, beside the same tokens and masks as without."""
+    from data.loader import documents
+    from training.faults import FaultPlan, FaultyLoader
+
+    plain = loader_of(run_config([[1.0, chat]], f"data.eod_token_id={EOD}"))
+    packed = FaultyLoader(loader_of(run_config([[1.0, chat]], f"data.eod_token_id={EOD}",
+                                               "data.reset_attention_mask=true", "data.reset_position_ids=true")),
+                          FaultPlan(), vocab_size=50304)
+    conversations = 0
+    for ((tokens, positions), labels), ((same_tokens, reset, segment_ids), same_labels) in zip(plain, packed, strict=True):
+        assert torch.equal(tokens, same_tokens) and all(map(torch.equal, labels, same_labels))
+        expected_segments, expected_positions = documents(tokens, EOD)
+        assert torch.equal(segment_ids, expected_segments) and torch.equal(reset, expected_positions)
+        assert torch.equal(positions, torch.arange(SEQ_LENGTH).expand_as(tokens))
+        conversations += int((tokens == EOD).sum())
+    assert conversations > 10

@@ -16,19 +16,9 @@ import pytest
 import torch
 
 from model.config import ParallelConfig
-from model.gpt import GPT
 from tests.distributed import run_distributed
-from tests.test_model_parallel import (
-    BETAS,
-    EPS,
-    LR,
-    SEED,
-    WEIGHT_DECAY,
-    clip_by_global_norm,
-    deepspeed_config,
-    model_config,
-)
-from training.engine import build_engine, weight_decay_groups
+from tests.test_model_parallel import SEED, deepspeed_config, model_config, train_reference
+from training.engine import build_engine
 from training.loss_normalization import clear_step_tokens, set_step_tokens, take_micro_batches
 
 GLOBAL_BATCH, STEPS, TOLERANCE = 8, 3, 1e-6
@@ -60,25 +50,14 @@ def replica_micro_batches(step: int, seq_length: int, micro: int, rank: int, siz
 
 def reference() -> dict:
     """The unsplit model, the whole batch at once: sum of the masked token losses / their count."""
-    from model.loss import GPTLoss
 
-    torch.manual_seed(SEED)
-    config = model_config()
-    model = GPT(config, seed=SEED)
-    objective = GPTLoss(model.ctx)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        samples, loss_mask = global_batch(step, config.seq_length)
-        positions = torch.arange(config.seq_length).expand(GLOBAL_BATCH, -1)
+    def step_loss(model, objective, step):
+        samples, loss_mask = global_batch(step, model_config().seq_length)
+        positions = torch.arange(samples.shape[1] - 1).expand(GLOBAL_BATCH, -1)
         objective.step_tokens = loss_mask.sum()  # one micro-batch, one replica: the sum over all targets / count
-        loss = objective(model(samples[:, :-1], positions), (samples[:, 1:], loss_mask))
-        loss.backward()
-        norms.append(clip_by_global_norm(model, 1.0))
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms}
+        return objective(model(samples[:, :-1], positions), (samples[:, 1:], loss_mask))
+
+    return train_reference(step_loss=step_loss, steps=STEPS)
 
 
 def _train_splits(normalizations: list[str]) -> dict:

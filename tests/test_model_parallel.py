@@ -116,9 +116,10 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float) -> float:
     return norm
 
 
-def train_reference(config=None, z_loss: float = 0.0) -> dict:
+def train_reference(config=None, z_loss: float = 0.0, step_loss=None, steps: int = STEPS) -> dict:
     """Plain PyTorch, one process, the unsplit model (model_config() unless another is given): the ground truth.
-    ``z_loss``: the objective's z-loss coefficient (model/loss.py)."""
+    ``z_loss``: the objective's z-loss coefficient (model/loss.py). ``step_loss(model, objective, step)``: the loss
+    of a step, by default the mean of the micro-batches of ``micro_batches``."""
     from model.loss import GPTLoss
     from model.moe import set_micro_batches, sparse_layers
 
@@ -129,10 +130,13 @@ def train_reference(config=None, z_loss: float = 0.0) -> dict:
     set_micro_batches(sparse_layers(model), GLOBAL_BATCH // MICRO_BATCH)  # the attached losses are averaged as the loss
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
-        batches = list(micro_batches(step, config.seq_length, 0, 1))
-        total = sum(objective(model(*inputs), labels) for inputs, labels in batches) / len(batches)
+        if step_loss is not None:
+            total = step_loss(model, objective, step)
+        else:  # as the pipeline engine takes it: the mean of the micro-batches' losses
+            batches = list(micro_batches(step, config.seq_length, 0, 1))
+            total = sum(objective(model(*inputs), labels) for inputs, labels in batches) / len(batches)
         total.backward()
         norms.append(clip_by_global_norm(model, CLIP))
         optimizer.step()

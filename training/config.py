@@ -104,8 +104,14 @@ class DataConfig:
     """Do not train on the prediction that follows an end-of-document token (the first token of the next document,
     which the previous one cannot predict), as Megatron-LM's --eod-mask-loss. Before, this masked where the label was
     the end-of-document token, so that a model never learnt to end a document."""
+    reset_attention_mask: bool = False
+    """Documents packed in one sample never attend to each other (a block-diagonal causal mask, as Megatron-LM's
+    --reset-attention-mask, which Llama 3 pretrained with): a document ends at its end-of-document token."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each end-of-document token (Megatron-LM's --reset-position-ids), for RoPE and
+    learned positions alike."""
     eod_token_id: int | None = None
-    """The tokenizer's end-of-document id, used by eod_mask_loss. Default: the end-of-text token of the Hugging Face
+    """The tokenizer's end-of-document id, used by eod_mask_loss, reset_attention_mask and reset_position_ids. Default: the end-of-text token of the Hugging Face
     tokenizer the run starts from (carried by training.init_from's checkpoint, else in model.from_hf's directory),
     else GPT-2's <|endoftext|>, 50256."""
 

@@ -83,6 +83,8 @@ def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[Loa
         return lambda consumed_samples: DevicePrefetcher.for_device(MicroBatchLoader(
             dataset, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
-            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id), accelerator_device())
+            eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id,
+            reset_attention_mask=config.data.reset_attention_mask, reset_position_ids=config.data.reset_position_ids),
+            accelerator_device())
 
     return factory(train), (factory(valid) if valid is not None else None)

@@ -1,0 +1,143 @@
+"""Packed documents (data.reset_attention_mask, data.reset_position_ids): the loader's documents and positions are
+Megatron-LM's, and a packed sample computes what its documents compute one by one.
+
+The reference of every check here is the model run on each document alone, at positions 0 .. len - 1: what a
+packed sample must equal (per-token losses within 1e-6, fp32), and a document's logits must not move, by one bit,
+when another document of the same sample changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.loader import MicroBatchLoader, documents
+from model.config import preset
+from model.gpt import GPT, document_mask
+
+EOD = 50256
+ARCHITECTURES = {
+    "gpt2 (learned positions)": dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=24),
+    "llama (RoPE, GQA)": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              seq_length=24, position_embedding="rope", norm="rmsnorm", mlp="swiglu",
+                              tie_word_embeddings=False, ffn_hidden_size=128),
+}
+
+
+def with_ends(lengths: list[int], seed: int) -> torch.Tensor:
+    """One sample: documents of random tokens (below 500) of these lengths, each closed by the end token."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = [torch.cat([torch.randint(0, 500, (length - 1,), generator=generator), torch.tensor([EOD])])
+             for length in lengths]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("tokens", [
+    [5, EOD, 7, 8, EOD, 9, 10, 11, 12, EOD],  # ends inside and at the very end
+    [EOD, 1, 2, 3, 4, 5, EOD, EOD, 6, 7],  # an end first, two ends in a row
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],  # no end: one document
+])
+def test_documents_and_positions_are_megatron_lms(tokens) -> None:
+    """megatron-core's own _get_ltor_masks_and_position_ids on the same tokens: the same attention mask (its True is
+    'masked') and the same reset positions."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    tokens = torch.tensor(tokens)
+    segment_ids, positions = documents(tokens[None], EOD)
+    mask, _, megatron_positions = _get_ltor_masks_and_position_ids(
+        tokens, EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=False,
+        create_attention_mask=True)
+    assert torch.equal(document_mask(segment_ids)[0], ~mask)
+    assert torch.equal(positions[0], megatron_positions)
+
+
+class Packed:
+    """Samples of seq_length + 1 tokens: documents closed by the end token, some cut at the sample's end."""
+
+    def __init__(self, seq_length: int) -> None:
+        self.samples = [with_ends(lengths, seed)[:seq_length + 1].numpy()
+                        for seed, lengths in enumerate([[4, 9, 13], [25], [1, 6, 6, 3, 9], [12, 14]])]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.samples[index]
+
+
+def test_the_loader_yields_each_flag_alone() -> None:
+    """Each flag acts alone, Megatron's way; with neither, the batch is the two input tensors of before."""
+    dataset = Packed(24)
+
+    def first(**flags):
+        return next(MicroBatchLoader(dataset, 4, 0, 1, eod_token_id=EOD, **flags))[0]
+
+    tokens, plain_positions = first()
+    segment_ids, positions = documents(tokens, EOD)
+    assert torch.equal(plain_positions, torch.arange(24).expand(4, 24))
+    both = first(reset_attention_mask=True, reset_position_ids=True)
+    assert torch.equal(both[0], tokens) and torch.equal(both[1], positions) and torch.equal(both[2], segment_ids)
+    masks_only = first(reset_attention_mask=True)
+    assert torch.equal(masks_only[1], plain_positions) and torch.equal(masks_only[2], segment_ids)
+    positions_only = first(reset_position_ids=True)
+    assert torch.equal(positions_only[1], positions) and not positions_only[2].any()
+    assert segment_ids[0].tolist() == [0] * 4 + [1] * 9 + [2] * 11 and positions[0, 4:14].tolist() == [*range(9), 0]
+    with pytest.raises(ValueError, match="reset_attention_mask needs eod_token_id"):
+        MicroBatchLoader(dataset, 1, 0, 1, reset_attention_mask=True)
+
+
+def document_by_document(model: GPT, tokens: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """The logits of each document run alone at positions 0 .. len - 1, put back in place: (b, s, V)."""
+    rows = []
+    for row, segments in zip(tokens, segment_ids, strict=True):
+        pieces = []
+        for segment in segments.unique_consecutive():
+            document = row[segments == segment][None]
+            pieces.append(model(document, torch.arange(document.shape[1])[None]))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_packed_equals_each_document_alone(architecture) -> None:
+    """Per-token losses and the gradients of a packed micro-batch equal those of its documents run one by one."""
+    config = preset("tiny", **ARCHITECTURES[architecture])
+    torch.manual_seed(0)
+    model = GPT(config, seed=7)
+    (tokens, positions, segment_ids), (labels, _) = next(MicroBatchLoader(
+        Packed(config.seq_length), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True))
+
+    def per_token_losses(logits):
+        return F.cross_entropy(logits[..., :config.vocab_size].flatten(0, 1), labels.flatten(), reduction="none")
+
+    packed = per_token_losses(model(tokens, positions, segment_ids))
+    packed.sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = per_token_losses(document_by_document(model, tokens, segment_ids))
+    alone.sum().backward()
+    # within 1e-6 of each loss (about 11 nats here, where one fp32 step is 9.5e-7): 2 steps at most were seen
+    assert ((packed - alone).abs() / alone).max().item() < 1e-6
+    for parameter, packed_grad in zip(model.parameters(), packed_grads, strict=True):
+        # sums of 96 tokens' fp32 contributions in two orders: at most 2.5e-6 of the largest entry was seen
+        scale = parameter.grad.abs().max().item()
+        assert (packed_grad - parameter.grad).abs().max().item() <= 1e-5 * scale
+    whole = per_token_losses(model(tokens, torch.arange(config.seq_length).expand_as(tokens)))
+    assert (whole - alone).abs().max().item() > 1e-3  # without masks the documents see each other
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_document_never_sees_another(architecture) -> None:
+    """Changing the first document of a sample leaves the second's logits bit-identical (and changes its own)."""
+    config = preset("tiny", **ARCHITECTURES[architecture])
+    model = GPT(config, seed=7)
+    first, second = with_ends([10], 1), with_ends([14], 2)
+    changed = with_ends([10], 3)
+    tokens = torch.stack([torch.cat([first, second]), torch.cat([changed, second])])
+    segment_ids, positions = documents(tokens, EOD)
+    with torch.no_grad():
+        logits = model(tokens, positions, segment_ids)
+    assert torch.equal(logits[0, 10:], logits[1, 10:])
+    assert not torch.equal(logits[0, :10], logits[1, :10])
