@@ -29,6 +29,7 @@ from data.blended_dataset import BlendedDataset, load_or_build_blending_indices,
 from data.index_cache import IndexCache, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, idx_path
 from data.loss_mask import find_loss_mask
+from data.packing import PackedDataset
 
 GPT_INDEX_VERSION = 1
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: a final epoch used for less than this is shuffled on its own
@@ -261,9 +262,14 @@ class GPTDataset:
 
 
 def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
-                       seed: int, cache_dir: str | None = None, cache_policy: IndexCachePolicy | None = None
-                       ) -> list[GPTDataset | BlendedDataset | None]:
+                       seed: int, cache_dir: str | None = None, cache_policy: IndexCachePolicy | None = None,
+                       packing: str = "concat", packing_overflow: str = "truncate", eod_token_id: int | None = None
+                       ) -> list[GPTDataset | PackedDataset | BlendedDataset | None]:
     """Train, valid and test datasets from Megatron's --data-path and --split.
+
+    packing: "concat" (Megatron's samples cut across documents: GPTDataset) or whole documents per sample, "bfd",
+    "greedy" or "none" (data/packing.py's PackedDataset, with ``packing_overflow`` and the ``eod_token_id`` that ends
+    every document and pads every sample).
 
     num_samples: samples wanted for (train, valid, test); a split with 0 samples gives None. Several weighted
     prefixes give BlendedDatasets whose components are split alike. Index arrays are cached as ``cache_policy``
@@ -278,17 +284,24 @@ def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: i
     caches = [cache_policy.cache_for(prefix) if cache_policy else None for prefix in prefixes]
     ranges = [split_document_ranges(dataset.num_documents, split) for dataset in indexed]
     result: list[GPTDataset | BlendedDataset | None] = []
+    if packing != "concat" and eod_token_id is None:
+        raise ValueError(f"data.packing {packing!r} needs the end-of-document token id (data.eod_token_id)")
+
+    def dataset(k: int, split_number: int, samples: int) -> GPTDataset | PackedDataset:
+        if packing == "concat":
+            return GPTDataset(indexed[k], ranges[k][split_number], seq_length, samples, seed, caches[k], masks[k])
+        return PackedDataset(indexed[k], ranges[k][split_number], seq_length, samples, seed, packing,
+                             packing_overflow, eod_token_id, caches[k], masks[k])
+
     for split_number, wanted in enumerate(num_samples):
         if wanted <= 0:
             result.append(None)
             continue
         if len(indexed) == 1:
-            result.append(GPTDataset(indexed[0], ranges[0][split_number], seq_length, wanted, seed, caches[0],
-                                     masks[0]))
+            result.append(dataset(0, split_number, wanted))
             continue
         indices = load_or_build_blending_indices(normalize_weights(weights), wanted, caches[0], prefixes)
         counts = np.bincount(indices[0], minlength=len(indexed))
-        parts = [GPTDataset(dataset, ranges[k][split_number], seq_length, int(counts[k]), seed, caches[k], masks[k])
-                 if counts[k] else [] for k, dataset in enumerate(indexed)]
+        parts = [dataset(k, split_number, int(counts[k])) if counts[k] else [] for k in range(len(indexed))]
         result.append(BlendedDataset(parts, *indices))
     return result

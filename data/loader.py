@@ -43,6 +43,7 @@ import torch
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, check_vocab_size
+from data.packing import PackedDataset
 
 MicroBatch = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]  # inputs: 2 or 3 tensors
 
@@ -228,10 +229,10 @@ class DevicePrefetcher:
 
 
 def indexed_datasets(dataset: object) -> list[IndexedDataset]:
-    """The indexed datasets underneath a GPTDataset, a BlendedDataset, or an IndexedDataset itself."""
+    """The indexed datasets underneath a GPTDataset, a PackedDataset, a BlendedDataset, or an IndexedDataset."""
     if isinstance(dataset, IndexedDataset):
         return [dataset]
-    if isinstance(dataset, GPTDataset):
+    if isinstance(dataset, (GPTDataset, PackedDataset)):
         return [dataset.indexed]
     if isinstance(dataset, BlendedDataset):
         return [found for part in dataset.datasets for found in indexed_datasets(part)]

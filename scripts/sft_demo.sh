@@ -18,6 +18,10 @@ echo "== 1. tokenise data/corpus/chat_demo.jsonl: tokens and loss mask"
 python tools/preprocess_data.py --input data/corpus/chat_demo.jsonl --output-prefix "$RUN/data/chat_demo" \
     --chat-template data/chat_templates/qwen_style.jinja --append-eod --no-progress
 
+# The tiny model has 64 positions and the conversations 66 to 180 tokens: whole-conversation packing (data.packing
+# "bfd", the default when fine-tuning) would truncate every one, so the demo lays them end to end ("concat") and
+# keeps them apart with document masks and positions that restart at each conversation. With model.seq_length 256
+# or more, --set 'data.packing="bfd"' packs whole conversations (docs/data.md).
 echo "== 2. train tiny-cpu on the replies only (PP 2 on 2 processes), loss over the step's target tokens"
 deepspeed --num_gpus 2 train.py --ds_config ds_configs/tiny-cpu.json \
     --data-path "$RUN/data/chat_demo_text_document" --set training.save="$RUN/checkpoints" \
@@ -25,7 +29,8 @@ deepspeed --num_gpus 2 train.py --ds_config ds_configs/tiny-cpu.json \
     --set train_batch_size=16 --set schedule.batch={} --set schedule.warmup_tokens=1024 \
     --set schedule.decay_tokens=20480 --set schedule.train_tokens=20480 --set training.max_steps=20 \
     --set training.log_interval=1 --set training.eval_interval=0 --set training.eval_iters=0 \
-    --set training.save_interval=0 --set 'training.loss_normalization="tokens"' "$@"
+    --set training.save_interval=0 --set 'training.loss_normalization="tokens"' \
+    --set 'data.packing="concat"' --set data.reset_attention_mask=true --set data.reset_position_ids=true "$@"
 
 echo "== 3. the loss, step by step"
 python - "$RUN/checkpoints/metrics.jsonl" <<'PY'

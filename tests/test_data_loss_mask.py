@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset
 from data.loss_mask import LossMaskMismatchError, loss_mask_prefix
 from model.parallel import ParallelContext
-from tests.launch import TWO_PROCESSES, run_training, trajectory
+from tests.launch import TWO_PROCESSES, final_weights, run_training, same_weights, trajectory
 from tests.test_chat_data import CONVERSATIONS, TEMPLATES
 from tools.preprocess_data import main
 
@@ -167,17 +168,32 @@ def test_a_mask_dataset_that_does_not_match_is_refused(chat, tmp_path) -> None:
     assert len(IndexedDataset(bad).document_lengths()) > 3
 
 
-def test_training_on_chat_data_with_token_normalization(chat, tmp_path) -> None:
-    """train.py, 2 processes (PP 2), 4 steps on the chat data, the loss divided by the step's target tokens."""
-    save = tmp_path / "run"
-    result = run_training(Path(chat), save, max_steps=4, processes=2,
-                          extra=["training.loss_normalization=\"tokens\"", "training.save_interval=0",
-                                 "schedule.warmup_tokens=128", "schedule.batch.start=8", "schedule.batch.increment=8"])
+SFT = ["training.loss_normalization=\"tokens\"", "training.save_interval=0", "model.seq_length=256",
+       "schedule.warmup_tokens=1024", "schedule.batch.start=8", "schedule.batch.increment=8",
+       "schedule.train_tokens=20480", "schedule.decay_tokens=20480",
+       "data.packing=\"bfd\"", "data.reset_attention_mask=true", "data.reset_position_ids=true"]
+
+
+def test_packed_chat_training_resumes_exactly_in_the_middle_of_an_epoch(chat, tmp_path) -> None:
+    """train.py, 2 processes (PP 2), on the chat data as fine-tuning runs it: whole conversations packed best-fit
+    decreasing into samples of 257 tokens (29 per epoch of the train split), document masks and reset positions, the
+    loss over the step's target tokens. Steps take 8, 16, 16 samples: the second epoch starts inside step 3.
+    Stopped after step 2 (24 samples: the middle of the first epoch) and resumed, the run equals the straight one
+    bitwise, weights included."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    result = run_training(Path(chat), straight, max_steps=3, processes=2, extra=SFT)
     assert f"loss mask of {chat}: {loss_mask_prefix(chat)}" in result.stdout
-    losses = [loss for _, loss, *_ in trajectory(save)]
-    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
-    print("losses", losses)
-    assert losses[-1] < losses[0], losses
+    assert re.search(r"packing bfd \(train, .*chat_text_document\): \d+ packed samples of 257 tokens in \d+ "
+                     r"epoch\(s\) \(29 per epoch\), 9\d\.\d% tokens",
+                     result.stdout), result.stdout[-3000:]
+    run_training(Path(chat), stopped, max_steps=2, processes=2, extra=SFT)
+    resumed = run_training(Path(chat), stopped, max_steps=3, processes=2, extra=SFT)
+    assert "at step 2" in resumed.stdout
+    assert trajectory(stopped) == trajectory(straight)  # bitwise: losses, learning rates, batches, tokens
+    assert same_weights(final_weights(stopped), final_weights(straight))
+    losses = [loss for _, loss, *_ in trajectory(straight)]
+    assert [batch for _, _, _, batch, *_ in trajectory(straight)] == [8, 16, 16]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
 
 
 def test_packed_conversations_get_their_documents(chat) -> None:

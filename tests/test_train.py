@@ -140,7 +140,8 @@ def test_fine_tuning_starts_the_schedules_afresh_on_the_pretrained_weights(corpu
     ramp and the data start at 0 tokens again, with the 12-step weights (a lower loss on the same first batch)."""
     save = tmp_path / "sft" / "checkpoints"
     result = run_training(corpus, save, max_steps=3,
-                          extra=[f"training.init_from={straight_run}", "training.fine_tune=true"])
+                          extra=[f"training.init_from={straight_run}", "training.fine_tune=true",
+                                 "data.packing=\"concat\""])  # the pretraining samples (fine-tuning packs "bfd")
     assert f"fine-tuning from the weights of {straight_run}" in result.stdout + result.stderr
     ours, pretraining = read_metrics(save / "metrics.jsonl"), read_metrics(straight_run / "metrics.jsonl")
     for key in ("step", "lr", "global_batch", "consumed_samples", "consumed_tokens"):

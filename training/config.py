@@ -104,6 +104,15 @@ class DataConfig:
     """Do not train on the prediction that follows an end-of-document token (the first token of the next document,
     which the previous one cannot predict), as Megatron-LM's --eod-mask-loss. Before, this masked where the label was
     the end-of-document token, so that a model never learnt to end a document."""
+    packing: str | None = None
+    """How documents become samples of seq_length + 1 tokens (data/packing.py): "concat" (Megatron's pretraining
+    samples, documents laid end to end and cut at sample boundaries), or whole documents, end-token padded: "bfd"
+    (best-fit decreasing, TRL's), "greedy" (in order until the next does not fit) or "none" (one per sample).
+    Default: "bfd" when training.fine_tune is set, else "concat". Use whole-document packing with
+    reset_attention_mask and reset_position_ids, so that the documents of a sample do not see each other."""
+    packing_overflow: str = "truncate"
+    """A document longer than a sample, under whole-document packing: "truncate" it (TRL's default), "drop" it, or
+    "split" it into pieces of seq_length + 1 tokens packed as documents of their own. The run's log counts them."""
     reset_attention_mask: bool = False
     """Documents packed in one sample never attend to each other (a block-diagonal causal mask, as Megatron-LM's
     --reset-attention-mask, which Llama 3 pretrained with): a document ends at its end-of-document token."""
@@ -122,6 +131,13 @@ class DataConfig:
             parse_split(self.split)
         except ValueError as error:
             raise ValueError(f"data.split: {error}") from None
+        from data.packing import OVERFLOWS, PACKINGS
+
+        if self.packing is not None and self.packing not in PACKINGS:
+            raise ValueError(f"data.packing must be one of {PACKINGS} (or null: \"bfd\" when fine-tuning, else "
+                             f"\"concat\"), got {self.packing!r}")
+        if self.packing_overflow not in OVERFLOWS:
+            raise ValueError(f"data.packing_overflow must be one of {OVERFLOWS}, got {self.packing_overflow!r}")
         if self.cache_timeout_s <= 0:
             raise ValueError(f"data.cache_timeout_s must be positive, got {self.cache_timeout_s}")
         for i, entry in enumerate(self.blend):

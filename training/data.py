@@ -70,9 +70,22 @@ def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | No
             print(f"index cache of {prefix}: {directory} ({why})", flush=True)
             if find_loss_mask(prefix) is not None:
                 print(f"loss mask of {prefix}: {loss_mask_prefix(prefix)}", flush=True)
+    packing = packing_of(config)
     train, valid, _ = build_gpt_datasets(data_path, config.data.split, config.model.seq_length,
-                                         samples_needed(config), config.training.seed, cache_policy=policy)
+                                         samples_needed(config), config.training.seed, cache_policy=policy,
+                                         packing=packing, packing_overflow=config.data.packing_overflow,
+                                         eod_token_id=config.data.eod_token_id)
+    if policy.builds and packing != "concat":
+        for name, dataset in (("train", train), ("valid", valid)):
+            for part in getattr(dataset, "datasets", [dataset]):
+                if hasattr(part, "summary"):
+                    print(f"packing {packing} ({name}, {part.indexed.prefix}): {part.summary()}", flush=True)
     return train, valid
+
+
+def packing_of(config: RunConfig) -> str:
+    """data.packing, or its default: "bfd" when the run fine-tunes (training.fine_tune), else "concat"."""
+    return config.data.packing or ("bfd" if config.training.fine_tune else "concat")
 
 
 def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:

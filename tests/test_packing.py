@@ -1,0 +1,163 @@
+"""Whole-document packing (data.packing, data/packing.py): TRL's best-fit decreasing bin for bin, the packed samples
+of a real chat dataset token for token, epochs, overflow, the cache, and the errors.
+
+The samples are checked against the files independently of the packing code: each sample is read back as its
+documents (split at the end tokens) and compared with the documents of the dataset and their mask bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data.index_cache import IndexCache
+from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from data.loss_mask import loss_mask_prefix
+from data.packing import PackedDataset, document_pieces, pack
+from tests.test_data_loss_mask import CHAT_DEMO, EOD, preprocess
+
+
+def trl_bins(lengths: list[int], capacity: int, overflow: str = "truncate") -> list[list[tuple[int, int]]]:
+    """TRL's own best-fit decreasing (trl.data_utils._pack_bfd) on examples whose tokens are (id, position): each
+    bin as its examples' (id, first position)."""
+    import pyarrow as pa
+    from trl.data_utils import _pack_bfd
+
+    examples = pa.table({"input_ids": [[[i, t] for t in range(n)] for i, n in enumerate(lengths)]})
+    bins = _pack_bfd(examples, capacity, overflow).to_pydict()
+    found = []
+    for tokens, lengths_in_bin in zip(bins["input_ids"], bins["seq_lengths"], strict=True):
+        starts = np.cumsum([0, *lengths_in_bin[:-1]])
+        found.append([tuple(tokens[start]) for start in starts])
+    return found
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_bfd_packs_what_trl_packs(overflow) -> None:
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 160, size=400)
+    lengths[::37] = 129  # ties, and documents that overflow 128
+    capacity = 128
+    pieces, _, cut = document_pieces(lengths, np.arange(len(lengths)), capacity, overflow)
+    ours = [[(int(pieces[p, 0]), int(pieces[p, 1])) for p in group] for group in pack(pieces[:, 2], capacity, "bfd")]
+    assert ours == trl_bins(lengths.tolist(), capacity, overflow)
+    assert cut == int((lengths > capacity).sum()) > 0
+    fills = [sum(int(pieces[p, 2]) for p in group) for group in pack(pieces[:, 2], capacity, "bfd")]
+    assert max(fills) <= capacity and sum(fills) == int(pieces[:, 2].sum())
+
+
+def test_greedy_and_none() -> None:
+    lengths = np.array([5, 4, 3, 6, 2, 8])
+    assert pack(lengths, 10, "greedy") == [[0, 1], [2, 3], [4, 5]]
+    assert pack(lengths, 10, "none") == [[0], [1], [2], [3], [4], [5]]
+    # longest first: 8 and 6 and 5 open packs; 4 fills the 6's exactly, 3 goes with the 5; 2 finds two packs with 2
+    # free and takes the one opened first (TRL's order)
+    assert pack(lengths, 10, "bfd") == [[5, 4], [3, 1], [0, 2]]
+
+
+def read_documents(dataset) -> list[tuple[list[int], list[int]]]:
+    """(tokens, mask bits) of every document of the dataset, each ending with its end token."""
+    masks = IndexedDataset(loss_mask_prefix(dataset.indexed.prefix))
+    return [(dataset.indexed[d].tolist(), masks[d].tolist()) for d in range(dataset.indexed.num_documents)]
+
+
+def documents_of(sample: np.ndarray, bits: np.ndarray) -> tuple[list, int]:
+    """A packed sample cut after each end token: its documents (tokens, bits), and how many padding tokens end it
+    (end tokens with bit 0 after the last document)."""
+    ends = np.flatnonzero(sample == EOD)
+    found, start = [], 0
+    for end in ends:
+        found.append((sample[start:end + 1].tolist(), bits[start:end + 1].tolist()))
+        start = end + 1
+    padding = 0
+    while found and found[-1][0] == [EOD] and found[-1][1] == [0]:  # padding: single end tokens with bit 0
+        found.pop()
+        padding += 1
+    return found, padding
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> str:
+    return preprocess(CHAT_DEMO, tmp_path_factory.mktemp("packing") / "chat")
+
+
+@pytest.mark.parametrize("packing", ["bfd", "greedy", "none"])
+def test_packed_samples_are_whole_documents(chat, packing, tmp_path) -> None:
+    indexed, masks = IndexedDataset(chat), IndexedDataset(loss_mask_prefix(chat))
+    documents = indexed.num_documents
+    capacity = 1 + int(indexed.document_lengths().max())  # nothing overflows
+    dataset = PackedDataset(indexed, (0, documents), capacity - 1, 3 * documents // 2, seed=5, packing=packing,
+                            overflow="truncate", eod_token_id=EOD, cache=IndexCache(tmp_path), loss_mask=masks)
+    expected = sorted(read_documents(dataset))
+    epochs = [range(int(a), int(b)) for a, b in zip(dataset.epoch_starts[:-1], dataset.epoch_starts[1:], strict=True)]
+    assert len(epochs) == 2 and len(dataset) >= 3 * documents // 2 and dataset.index_built
+    orders = []
+    for epoch in epochs:
+        seen = []
+        for index in epoch:
+            sample, bits = dataset[index], dataset.sample_loss_mask(index)
+            assert sample.shape == bits.shape == (capacity,) and sample.dtype == np.int64
+            found, padding = documents_of(sample, bits)
+            assert padding == capacity - sum(len(tokens) for tokens, _ in found)
+            assert dataset.pack_targets[index] == int(bits[1:].sum())  # what training counts
+            seen += found
+            if packing == "none":
+                assert len(found) == 1
+        assert sorted(seen) == expected  # every document once per epoch, whole, with its bits
+        orders.append(seen)
+    assert orders[0] != orders[1]  # reshuffled each epoch
+    if packing == "bfd":
+        fill = sum(len(tokens) for order in orders for tokens, _ in order) / (len(dataset) * capacity)
+        greedy_like = len(epochs[0]) < documents  # bfd puts several conversations in a sample
+        assert greedy_like and fill > 0.5, fill
+    again = PackedDataset(indexed, (0, documents), capacity - 1, 3 * documents // 2, seed=5, packing=packing,
+                          overflow="truncate", eod_token_id=EOD, cache=IndexCache(tmp_path), loss_mask=masks)
+    assert not again.index_built and np.array_equal(again.pieces, dataset.pieces)  # from the cache
+
+
+def test_overflow_is_truncated_dropped_or_split(tmp_path) -> None:
+    prefix = str(tmp_path / "docs")
+    lengths = [5, 30, 12, 70, 9]
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for number, length in enumerate(lengths):
+            builder.add_item(np.concatenate([np.full(length - 1, number + 1), [EOD]]))
+            builder.end_document()
+    indexed = IndexedDataset(prefix)
+
+    def packed(overflow):
+        return PackedDataset(indexed, (0, 5), 15, 1, seed=0, packing="bfd", overflow=overflow, eod_token_id=EOD)
+
+    truncated, dropped, split = packed("truncate"), packed("drop"), packed("split")
+    assert (truncated.dropped, truncated.cut) == (0, 2) and sorted(truncated.pieces[:, 2].tolist()) == [5, 9, 12, 16, 16]
+    assert (dropped.dropped, dropped.cut) == (2, 0) and sorted(dropped.pieces[:, 2].tolist()) == [5, 9, 12]
+    assert split.cut == 2 and sorted(split.pieces[:, 2].tolist()) == [5, 6, 9, 12, 14, 16, 16, 16, 16, 16]
+    whole = {number: [] for number in range(5)}
+    for index in range(len(split)):
+        for document, first, length in split._pieces(index):
+            whole[int(document)].append((int(first), int(length)))
+    for number, parts in whole.items():  # the pieces of a split document cover it exactly once
+        covered = sorted(parts)
+        assert covered[0][0] == 0 and sum(length for _, length in covered) == lengths[number]
+        assert all(a[0] + a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+    assert "2 documents dropped" in dropped.summary() and "padding" in truncated.summary()
+
+
+def test_documents_without_an_end_token_are_refused(tmp_path) -> None:
+    prefix = str(tmp_path / "plain")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for number in range(3):
+            builder.add_item(np.arange(4) + number)
+            builder.end_document()
+    with pytest.raises(ValueError, match=r"plain.bin: 3 of documents \[0, 3\) do not end with the end-of-document "
+                                         r"token 50256 .*--append-eod"):
+        PackedDataset(IndexedDataset(prefix), (0, 3), 8, 1, seed=0, packing="bfd", overflow="truncate",
+                      eod_token_id=EOD)
+
+
+def test_config_names_the_packing_fields() -> None:
+    from training.config import DataConfig
+
+    with pytest.raises(ValueError, match=r"data.packing must be one of .*'bfd'.*got 'best'"):
+        DataConfig(packing="best")
+    with pytest.raises(ValueError, match=r"data.packing_overflow must be one of .*'split'.*got 'wrap'"):
+        DataConfig(packing_overflow="wrap")
