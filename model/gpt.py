@@ -51,6 +51,7 @@ core (SelfAttention), "none" stores everything. Both replay the dropout masks of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -185,6 +186,29 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same_document & causal).unsqueeze(1)
 
 
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                            grouped: bool) -> torch.Tensor:
+    """The attention of ``document_mask`` (model.attention_backend "flex"): FlexAttention with a block mask made from
+    the (b, s) ids, so that the blocks outside every document's causal square are never computed; q (b, nh, s, d),
+    k and v (b, g, s, d) with ``grouped`` query heads per key head. No dropout (the config refuses it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, query, key):
+        return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+
+    length = q.shape[-2]
+    block_mask = create_block_mask(same_document_causal, q.shape[0], None, length, length, device=q.device)
+    return _flex_attention(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=grouped)
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    """FlexAttention, compiled on CUDA (its fused kernel), eager elsewhere (forward only on CPU: torch's own limit)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
 class KVCache:
     """The keys and values one block's attention has seen, on this rank's heads (inference only).
 
@@ -230,6 +254,7 @@ class SelfAttention(nn.Module):
         self.heads = self.groups * self.queries_per_group
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
+        self.backend = config.attention_backend  # the kernel of document masks: "sdpa" or "flex"
         self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
         self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"),
@@ -287,6 +312,8 @@ class SelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         queries, keys = q.shape[-2], k.shape[-2]
         mask = None
+        if segment_ids is not None and self.backend == "flex":
+            return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1)
         if segment_ids is not None:
             mask = document_mask(segment_ids)  # (b, 1, s, s)
         elif keys > queries > 1:

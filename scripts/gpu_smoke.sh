@@ -17,6 +17,7 @@
 #      against the sync ones. Parts that need two ranks are skipped on one GPU (NCCL cannot put two ranks on one);
 #      The 125m run dumps a CUDA memory snapshot after step 3 (training.memory_snapshot, Python stacks), checked
 #      for its segments and allocation history; both runs log measured / planned at every step (training.plan_hardware);
+#      document masks on packed samples with FlexAttention (model.attention_backend "flex") against SDPA's reference;
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
 #      figure; exits 1 if any failed.
@@ -173,6 +174,7 @@ run "$PY" "${CHECK[@]}" resume "$RUN" 4 "$CKPT/metrics.jsonl" "$RUN/125m-stopped
     "$RUN/125m-resume/metrics.jsonl" || true
 run "$PY" "${CHECK[@]}" stall "$RUN" 5 --sync-log "$RUN/125m-stopped.log" --async-log "$RUN/125m.log" || true
 run "$PY" "${CHECK[@]}" memory-snapshot "$RUN" 7 "$CKPT/memory/snapshot_step${SNAPSHOT_STEP}_rank0.pickle" || true
+run "$PY" "${CHECK[@]}" document-masks "$RUN" 8 ds_configs/125m.json "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" || true
 GPUS=1
 if [ "$DRY_RUN" = 0 ]; then GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" || echo 0); fi
 if [ "$GPUS" -ge 2 ]; then
@@ -187,4 +189,4 @@ fi
 
 echo "== 6. measured beside tools/plan.py's prediction, and every check"
 run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" || true
-run "$PY" "${CHECK[@]}" summary "$RUN" 7 "${CONFIGS[@]}"
+run "$PY" "${CHECK[@]}" summary "$RUN" 8 "${CONFIGS[@]}"

@@ -16,6 +16,9 @@
     stall                   the logs' "training stopped for X s" of sync and async    async / sync <= STALL_RATIO
                             saves (the first async save, which allocates the host
                             buffers, reported apart)
+    document-masks          two 125m blocks on packed samples (documents closed by    logits and gradient norm within
+                            the end token), fp32, model.attention_backend "flex"      1e-4 (relative) of SDPA's
+                            against "sdpa", forward and backward, timed
     memory-snapshot         the 125m run's training.memory_snapshot at step 3         the pickle holds segments and
                             (torch.cuda.memory._dump_snapshot, Python stacks)         allocation events with Python
                                                                                       frames
@@ -88,6 +91,72 @@ def flash(config_path: str, sets: list[str]) -> tuple[str, str]:
     seconds = time.perf_counter() - start
     return "pass", (f"a {Path(config_path).stem} block (b {micro_batch}, s {model.seq_length}, bf16) forward + "
                     f"backward on the flash kernel alone: {seconds * 1e3:.1f} ms")
+
+
+# -- document masks: FlexAttention against the SDPA reference --------------------------------------------------------
+
+DOCUMENT_MASK_BOUND = 1e-4
+"""fp32 on both sides: the largest logit difference and the gradient norm's, relative (CPU forward: 1e-6)."""
+
+
+def document_masks(config_path: str, sets: list[str]) -> tuple[str, str]:
+    """Two blocks of the config's model, fp32, on packed samples of its micro-batch and sequence (documents of
+    random lengths closed by the end token, reset positions): model.attention_backend "flex" against "sdpa", forward
+    and backward, and the time of each."""
+    import torch
+
+    from training.config import load_run_config
+
+    if not torch.cuda.is_available():
+        return "skip", "no CUDA device: FlexAttention's compiled kernel and its backward run on CUDA only"
+    config = load_run_config(config_path, sets)
+    micro_batch = config.deepspeed["train_micro_batch_size_per_gpu"]
+    found = compare_attention_backends(config.model, micro_batch, config.data.eod_token_id, config.training.seed,
+                                       torch.device("cuda"), backward=True)
+    status = "pass" if max(found["logits_error"], found["norm_error"]) <= DOCUMENT_MASK_BOUND else "fail"
+    return status, (f"2 {Path(config_path).stem} blocks, b {micro_batch} x s {config.model.seq_length}, "
+                    f"{found['documents']} documents, fp32: flex - sdpa logits {found['logits_error']:.1e} "
+                    f"(relative), gradient norm {found['norm_error']:.1e}; forward + backward "
+                    f"{found['flex_s'] * 1e3:.1f} ms flex, {found['sdpa_s'] * 1e3:.1f} ms sdpa")
+
+
+def compare_attention_backends(model_config, micro_batch: int, end: int, seed: int, device, backward: bool) -> dict:
+    """Two blocks of ``model_config`` under each attention backend on the same packed samples (about 32 documents a
+    row): the relative differences of the logits and of the gradient norm (0 without ``backward``), the documents,
+    and each backend's time (the second call: the first compiles FlexAttention on CUDA)."""
+    import dataclasses
+
+    import torch
+
+    from data.loader import documents
+    from model.gpt import GPT
+
+    length = model_config.seq_length
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, min(model_config.vocab_size, 50000), (micro_batch, length), generator=generator)
+    tokens[torch.rand(micro_batch, length, generator=generator) < 32 / length] = end
+    tokens = tokens.to(device)
+    segment_ids, positions = documents(tokens, end)
+    found = {}
+    for backend in ("sdpa", "flex"):
+        blocks = dataclasses.replace(model_config, num_layers=2, attention_backend=backend, precision="fp32")
+        model = GPT(blocks, seed=seed).to(device).train()
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with torch.set_grad_enabled(backward):
+                logits = model(tokens, positions, segment_ids)[..., :model_config.vocab_size]
+                if backward:
+                    logits.float().square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        grads = [p.grad.double().norm() for p in model.parameters() if p.grad is not None]
+        found[backend] = (logits.detach(), torch.stack(grads).norm().item() if grads else 0.0, seconds)
+    (reference, reference_norm, sdpa_s), (flex, flex_norm, flex_s) = found["sdpa"], found["flex"]
+    return {"logits_error": ((flex - reference).abs().max() / reference.abs().max()).item(),
+            "norm_error": abs(flex_norm - reference_norm) / reference_norm if backward else 0.0,
+            "documents": int(segment_ids.max(dim=1).values.sum()) + micro_batch, "sdpa_s": sdpa_s, "flex_s": flex_s}
 
 
 # -- references on the export ---------------------------------------------------------------------------------------
@@ -282,11 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "compare-generate": ["run", "order", "ours", "theirs"],
                             "resume": ["run", "order", "straight", "stopped", "resumed"],
                             "skip": ["run", "order", "check", "reason"], "summary": ["run", "expected"],
-                            "memory-snapshot": ["run", "order", "snapshot"]}.items():
+                            "memory-snapshot": ["run", "order", "snapshot"],
+                            "document-masks": ["run", "order", "ds_config"]}.items():
         command = commands.add_parser(name)
         for argument in arguments:
             command.add_argument(argument)
     commands.choices["flash"].add_argument("--set", action="append", default=[])
+    commands.choices["document-masks"].add_argument("--set", action="append", default=[])
     commands.choices["hflm"].add_argument("--tasks", required=True)
     commands.choices["hflm"].add_argument("--limit", type=float, default=None)
     commands.choices["hf-generate"].add_argument("--prompt", action="append", required=True)
@@ -321,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "stall": lambda: ("checkpoint stall, async against sync", *stall(args.sync_log, args.async_log)),
         "memory-snapshot": lambda: ("CUDA memory snapshot (training.memory_snapshot)",
                                     *memory_snapshot(Path(args.snapshot))),
+        "document-masks": lambda: ("document masks: FlexAttention against SDPA",
+                                   *document_masks(args.ds_config, args.set)),
         "skip": lambda: (args.check, "skip", args.reason),
     }
     check, status, figure = checks[args.command]()

@@ -141,3 +141,43 @@ def test_a_document_never_sees_another(architecture) -> None:
         logits = model(tokens, positions, segment_ids)
     assert torch.equal(logits[0, 10:], logits[1, 10:])
     assert not torch.equal(logits[0, :10], logits[1, :10])
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_flex_attention_computes_the_sdpa_reference(architecture) -> None:
+    """model.attention_backend "flex" (FlexAttention's block mask, the GPU kernel of document masks) gives the
+    logits of the SDPA reference. Forward only: torch has no FlexAttention backward on CPU (the backward is checked
+    on a GPU by scripts/gpu_smoke.sh), and training with it on CPU is refused at start-up, naming the field."""
+    fields = ARCHITECTURES[architecture]
+    reference, flex = (GPT(preset("tiny", **fields, attention_backend=backend), seed=7).eval()
+                       for backend in ("sdpa", "flex"))
+    (tokens, positions, segment_ids), _ = next(MicroBatchLoader(
+        Packed(24), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True))
+    with torch.no_grad():
+        expected, found = reference(tokens, positions, segment_ids), flex(tokens, positions, segment_ids)
+    vocab = reference.word_embeddings.vocab_size  # the padded rows are -inf in both
+    assert (found - expected)[..., :vocab].abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="model.attention_backend \"flex\" has no attention dropout"):
+        preset("tiny", attention_backend="flex", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"model.attention_backend must be one of \('sdpa', 'flex'\), got 'flash'"):
+        preset("tiny", attention_backend="flash")
+
+
+def _build_flex_engine() -> str:
+    from model.config import ParallelConfig
+    from tests.test_model_parallel import SEED, deepspeed_config
+    from training.engine import build_engine
+
+    try:
+        build_engine(preset("tiny", attention_backend="flex"), ParallelConfig(), deepspeed_config("fp32"), SEED)
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_flex_training_on_cpu_is_refused_at_start_up() -> None:
+    from tests.distributed import run_distributed
+
+    [message] = run_distributed(1, _build_flex_engine)
+    assert message.startswith("model.attention_backend \"flex\" trains on CUDA only: torch has no FlexAttention "
+                              "backward on cpu; use \"sdpa\" here"), message

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import deepspeed_internals as ds_internals
+from common.device import accelerator_device
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
 from model.moe import keep_router_biases_fp32, set_micro_batches, sparse_layers
@@ -64,6 +65,10 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     import deepspeed
 
     init_distributed()
+    device = accelerator_device()
+    if model_config.attention_backend == "flex" and device.type != "cuda":
+        raise ValueError(f"model.attention_backend \"flex\" trains on CUDA only: torch has no FlexAttention backward "
+                         f"on {device.type}; use \"sdpa\" here (the same attention, tests/test_document_masks.py)")
     context = build_parallel_context(parallel_config)
     schedule = parallel_config.pipeline_schedule
     if schedule == "dualpipev":
