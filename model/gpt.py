@@ -311,15 +311,15 @@ class SelfAttention(nn.Module):
         made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
         dropout = self.dropout if self.training else 0.0
         queries, keys = q.shape[-2], k.shape[-2]
-        mask = None
+        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
+            self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k, segment_ids))
         if segment_ids is not None and self.backend == "flex":
             return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1)
+        mask = None
         if segment_ids is not None:
             mask = document_mask(segment_ids)  # (b, 1, s, s)
         elif keys > queries > 1:
             mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
-        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
-            self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k))
         with self.rng.fork(enabled=dropout > 0):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                   is_causal=queries == keys and segment_ids is None,
@@ -460,13 +460,18 @@ class FinalRMSNorm(RMSNorm):
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
 
 
-def largest_logit(q: torch.Tensor, k: torch.Tensor, max_scores: int = 2**26) -> torch.Tensor:
-    """The largest attention logit q.k / sqrt(d) over the causal pairs (query i, key j <= i), fp32, on the device:
-    q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g query heads per key head (training only: no cache). The scores are
-    formed a few heads at a time, at most ``max_scores`` fp32 values (256 MiB) at once, whatever s is."""
+def largest_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                  max_scores: int = 2**26) -> torch.Tensor:
+    """The largest attention logit q.k / sqrt(d) over the pairs attention computes (query i, key j <= i; with
+    ``segment_ids``, of the same document too), fp32, on the device: q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g
+    query heads per key head (training only: no cache). The scores are formed a few heads at a time, at most
+    ``max_scores`` fp32 values (256 MiB) at once, whatever s is."""
     q, k = q.detach(), k.detach()
     heads, queries_per_group, length = q.shape[1], q.shape[1] // k.shape[1], q.shape[-2]
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    if segment_ids is None:
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    else:
+        future = ~document_mask(segment_ids)  # (b, 1, s, s): the future and the other documents
     chunk = max(1, max_scores // (q.shape[0] * length * length))
     largest = torch.tensor(float("-inf"), device=q.device)
     for start in range(0, heads, chunk):

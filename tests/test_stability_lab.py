@@ -139,6 +139,13 @@ def test_the_probe_equals_the_scores_formed_by_hand():
     assert largest_logit(q, k) == scores[..., causal].max()
     assert largest_logit(q, k) < scores.max()  # the future keys' scores are excluded
     assert largest_logit(q, k, max_scores=1) == largest_logit(q, k)  # one head at a time: the same maximum
+    # packed documents (data.reset_attention_mask): the pairs across documents are excluded too
+    k[1, 2, 3] = 10 * q[1, 5, 7]  # query 7 of head 5 (group 2) and key 3, which is in the first document
+    segment_ids = torch.tensor([[0] * 10, [0] * 5 + [1] * 5])
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None] & causal
+    scores = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / math.sqrt(8)
+    assert largest_logit(q, k, segment_ids) == scores.masked_fill(~same, float("-inf")).max()
+    assert largest_logit(q, k, segment_ids) < largest_logit(q, k) == scores[1, 5, 7, 3]
 
 
 def test_z_loss_keeps_log_z_near_zero_without_weight_decay(corpus):
