@@ -28,7 +28,7 @@ gain the document of each token::
                  (reset_attention_mask; all 0 without: one document)
     position_ids: each token's position in its document (reset_position_ids; 0 .. s-1 without)
 
-and attention is block-diagonal causal (model/gpt.py, document_mask): what Megatron-LM's
+and attention is block-diagonal causal (model/attention.py, document_mask): what Megatron-LM's
 _get_ltor_masks_and_position_ids gives on the same tokens.
 """
 

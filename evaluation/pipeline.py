@@ -32,8 +32,8 @@ from torch import nn
 
 from common import deepspeed_internals as ds_internals
 from common.device import device_of
+from model.attention import kv_caches
 from model.config import ModelConfig
-from model.gpt import kv_caches
 from model.layers import vocab_parallel_argmax, vocab_parallel_cross_entropy
 from model.parallel import ParallelContext
 

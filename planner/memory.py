@@ -26,7 +26,7 @@ Memory of stage i
             efficient; CPU's flash too) write their output in (b, s, a, d) layout, so with q a view of the QKV output
             the dense layer's input, transpose(1, 2).reshape, is a view of the SDPA output, not a copy (measured with
             saved-tensor hooks on the tiny GPT, CPU fp32: 15.125 h per token besides the block's input).
-          "selective" (the attention core checkpointed, model/gpt.py SelfAttention.core): the same minus the SDPA
+          "selective" (the attention core checkpointed, model/attention.py SelfAttention.core): the same minus the SDPA
             logsumexp, and the SDPA output where the dense input is a copy of it (below); with the GPT shape that is
             all it saves: the dense layer still keeps the core's output, of which its input is a view. With the scores stored
             (below) it drops the s x s terms too: that is where selective matters (Korthikanti et al.'s 5 a s^2 b).

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from data.loader import MicroBatchLoader, documents
+from model.attention import document_mask
 from model.config import preset
-from model.gpt import GPT, document_mask
+from model.gpt import GPT
 
 EOD = 50256
 ARCHITECTURES = {

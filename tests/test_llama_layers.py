@@ -28,8 +28,9 @@ import math
 import pytest
 import torch
 
+from model.attention import SelfAttention
 from model.config import ModelConfig, ParallelConfig, preset
-from model.gpt import GPT, OutputHead, SelfAttention, SwiGLUMLP, TransformerLayer
+from model.gpt import GPT, OutputHead, SwiGLUMLP, TransformerLayer
 from model.layers import (
     RMSNorm,
     RotaryEmbedding,

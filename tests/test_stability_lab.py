@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from lab.sensitivity import lr_sensitivity
+from model.attention import attention_logit_probe, largest_logit
 from model.config import ModelConfig
-from model.gpt import GPT, attention_logit_probe, largest_logit
+from model.gpt import GPT
 from model.loss import GPTLoss
 from training.engine import weight_decay_groups
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from common.device import device_of
-from model.gpt import attention_logit_probe
+from model.attention import attention_logit_probe
 from model.loss import GPTLoss
 from model.parallel import ParallelContext
 

@@ -1,0 +1,247 @@
+"""Causal self-attention over a tensor-parallel rank's heads, and what reads it: document masks, the KV cache of
+generation, the attention-logit probe of the stability monitors.
+
+    q (b, nh/R, s, d), k and v (b, g/R, s, d): this TP rank's query heads and its g/R key/value groups
+
+SelfAttention is one block's attention (model/gpt.py assembles the blocks); its ``core`` (softmax(q k^T / sqrt(d)) v
+with the attention dropout) is what selective recomputation reruns. Without document ids the core is SDPA's causal
+kernel; with a packed sample's ``segment_ids`` (data.reset_attention_mask) it is block-diagonal causal
+(``document_mask``), on SDPA (the reference) or FlexAttention (model.attention_backend "flex", GPUs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.init import parameter_seed
+from model.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, mark_shared_by_heads
+from model.parallel import ParallelContext
+from model.random import RNGStream, checkpoint
+
+
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(b, 1, s, s) bool, True where query i may attend to key j: j <= i and both in the same document (the same
+    segment id). The block-diagonal causal mask of packed samples, Megatron's reset_attention_mask."""
+    length = segment_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    same_document = segment_ids[:, :, None] == segment_ids[:, None, :]  # (b, s, s)
+    return (same_document & causal).unsqueeze(1)
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                            grouped: bool) -> torch.Tensor:
+    """The attention of ``document_mask`` (model.attention_backend "flex"): FlexAttention with a block mask made from
+    the (b, s) ids, so that the blocks outside every document's causal square are never computed; q (b, nh, s, d),
+    k and v (b, g, s, d) with ``grouped`` query heads per key head. No dropout (the config refuses it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, query, key):
+        return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+
+    global _last_block_mask
+    if _last_block_mask is None or _last_block_mask[0] is not segment_ids:  # once per micro-batch, not per layer
+        length = q.shape[-2]
+        _last_block_mask = (segment_ids, create_block_mask(same_document_causal, q.shape[0], None, length, length,
+                                                           device=q.device))
+    return _flex_attention(q.device.type)(q, k, v, block_mask=_last_block_mask[1], enable_gqa=grouped)
+
+
+_last_block_mask = None
+"""(segment_ids, its block mask): the blocks of a stage receive the same ids tensor, so one mask serves them all."""
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    """FlexAttention, compiled on CUDA (its fused kernel), eager elsewhere (forward only on CPU: torch's own limit)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+class KVCache:
+    """The keys and values one block's attention has seen, on this rank's heads (inference only).
+
+        keys, values   (b, g/R, past, d) each: the key/value heads of this TP rank, like the attention itself
+
+    A forward with a cache attends over the cached positions and its own, then appends its keys and values; RoPE
+    rotates the new q and k at positions past .. past + s - 1, so the cache holds rotated keys, as transformers'
+    does. ``kv_caches(module)`` gives every attention of a stage its own for one sequence (or batch) at a time."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (b, g/R, s, d) keys and values; return all of them, cached first."""
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention over this rank's heads: fused QKV column-parallel, output row-parallel.
+
+    With g key/value heads (groups) of q = heads / g query heads each, the QKV output rows are laid out per group,
+    [g, q + 2, head_dim]: the group's q query heads, then its key head, then its value head. Query head j belongs to
+    group j // q (transformers' repeat_kv order). A contiguous slice of rows is therefore a set of whole groups with
+    all their heads, so TP rank r holds groups [r g/R, (r+1) g/R) and attends alone; the full weight is the plain
+    concatenation of the shards on dim 0. Multi-head attention (q = 1) is GPT-2's [heads, 3, head_dim].
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
+                 rng: RNGStream, recompute_core: bool = False) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
+        self.groups = config.num_key_value_heads // ctx.tensor_parallel_size
+        self.queries_per_group = config.queries_per_key_value_head
+        self.heads = self.groups * self.queries_per_group
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_dropout
+        self.backend = config.attention_backend  # the kernel of document masks: "sdpa" or "flex"
+        self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
+        self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
+                                        seed=parameter_seed(seed, layer_number, "attention.qkv"),
+                                        bias=config.qkv_has_bias)
+        self.dense = RowParallelLinear(config.attention_size, h, ctx,
+                                       init_std=config.output_layer_init_std,
+                                       seed=parameter_seed(seed, layer_number, "attention.dense"),
+                                       bias=config.other_linears_have_bias)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
+                       if config.position_embedding == "rope" else None)
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:  # per head, weights shared by the heads: partial gradients over TP
+            self.q_norm, self.k_norm = head_norm(config), head_norm(config)
+            for parameter in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                mark_shared_by_heads(parameter)
+        self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
+        self.layer_number = layer_number
+        self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``, ``segment_ids`` (b, s): a packed sample's positions and documents (documents never see
+        each other; RoPE at each token's position in its document); without, one causal sequence 0 .. s-1."""
+        qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
+        b, s = qkv.shape[:2]
+        per_group = self.queries_per_group
+        qkv = qkv.view(b, s, self.groups, per_group + 2, self.head_dim)  # (b, s, g/R, q + 2, d)
+        qkv = qkv.permute(0, 2, 3, 1, 4)  # (b, g/R, q + 2, s, d)
+        q = qkv[:, :, :per_group].flatten(1, 2)  # (b, nh/R, s, d), query head j in group j // q
+        k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]  # each (b, g/R, s, d)
+        if self.q_norm is not None:  # on each head's d features, before RoPE (Qwen3's order)
+            q, k = self.q_norm(q), self.k_norm(k)
+        past = 0 if self.kv_cache is None else self.kv_cache.length
+        if segment_ids is not None and self.kv_cache is not None:
+            raise ValueError("document masks (packed samples) are for training: a KV cache holds one sequence")
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, offset=past, position_ids=position_ids)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.extend(k, v)  # each (b, g/R, past + s, d)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = checkpoint(self.rng, self.core, q, k, v, segment_ids)
+        else:
+            context = self.core(q, k, v, segment_ids)  # (b, nh/R, s, d)
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
+        return self.dense(context)  # (b, s, h)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns.
+
+        With a KV cache the s queries are the last s of the keys' positions: one query sees every key, several see
+        the keys up to their own position (a bottom-right causal mask). With ``segment_ids`` (b, s) the mask is
+        block-diagonal causal: a query sees the keys up to its own position in its own document (``document_mask``;
+        made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
+        dropout = self.dropout if self.training else 0.0
+        queries, keys = q.shape[-2], k.shape[-2]
+        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
+            self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k, segment_ids))
+        if segment_ids is not None and self.backend == "flex":
+            return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1)
+        mask = None
+        if segment_ids is not None:
+            mask = document_mask(segment_ids)  # (b, 1, s, s)
+        elif keys > queries > 1:
+            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
+        with self.rng.fork(enabled=dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  is_causal=queries == keys and segment_ids is None,
+                                                  dropout_p=dropout,
+                                                  enable_gqa=self.queries_per_group > 1)  # (b, nh/R, s, d)
+
+    def extra_repr(self) -> str:
+        return (f"{self.groups} key/value groups of {self.queries_per_group} query heads on this rank, "
+                f"head_dim {self.head_dim}")
+
+
+def head_norm(config: ModelConfig) -> nn.Module:
+    """model.qk_layernorm's norm of one query or key head: config.norm's kind, head_dim wide."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.head_dim, eps=config.layernorm_epsilon)
+    return RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
+
+
+
+def largest_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                  max_scores: int = 2**26) -> torch.Tensor:
+    """The largest attention logit q.k / sqrt(d) over the pairs attention computes (query i, key j <= i; with
+    ``segment_ids``, of the same document too), fp32, on the device: q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g
+    query heads per key head (training only: no cache). The scores are formed a few heads at a time, at most
+    ``max_scores`` fp32 values (256 MiB) at once, whatever s is."""
+    q, k = q.detach(), k.detach()
+    heads, queries_per_group, length = q.shape[1], q.shape[1] // k.shape[1], q.shape[-2]
+    if segment_ids is None:
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    else:
+        future = ~document_mask(segment_ids)  # (b, 1, s, s): the future and the other documents
+    chunk = max(1, max_scores // (q.shape[0] * length * length))
+    largest = torch.tensor(float("-inf"), device=q.device)
+    for start in range(0, heads, chunk):
+        head_ids = torch.arange(start, min(start + chunk, heads), device=q.device)
+        keys = k[:, head_ids // queries_per_group].float()  # query head j reads key head j // (nh/g)
+        scores = q[:, head_ids].float() @ keys.transpose(-1, -2) / k.shape[-1] ** 0.5  # (b, chunk, s, s)
+        largest = torch.maximum(largest, scores.masked_fill_(future, float("-inf")).amax())
+    return largest
+
+
+@contextmanager
+def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside, every attention of ``module`` keeps the largest logit of its forwards; on exit the dict maps each
+    block's layer_number (1 .. L) to it (a device scalar: read on the host when it suits the caller)."""
+    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    found: dict[int, torch.Tensor] = {}
+    for attention in attentions:
+        attention.max_logit = torch.tensor(float("-inf"), device=attention.dense.weight.device)
+    try:
+        yield found
+    finally:
+        for attention in attentions:
+            found[attention.layer_number] = attention.max_logit
+            attention.max_logit = None
+
+
+@contextmanager
+def kv_caches(module: nn.Module) -> Iterator[list[KVCache]]:
+    """Give every attention in ``module`` (a stage, or the whole GPT) an empty KV cache for the duration."""
+    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    caches = [KVCache() for _ in attentions]
+    for attention, cache in zip(attentions, caches, strict=True):
+        attention.kv_cache = cache
+    try:
+        yield caches
+    finally:
+        for attention in attentions:
+            attention.kv_cache = None
