@@ -290,8 +290,8 @@ def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: i
     def dataset(k: int, split_number: int, samples: int) -> GPTDataset | PackedDataset:
         if packing == "concat":
             return GPTDataset(indexed[k], ranges[k][split_number], seq_length, samples, seed, caches[k], masks[k])
-        return PackedDataset(indexed[k], ranges[k][split_number], seq_length, samples, seed, packing,
-                             packing_overflow, eod_token_id, caches[k], masks[k])
+        return PackedDataset(indexed[k], ranges[k][split_number], seq_length, samples, seed=seed, packing=packing,
+                             overflow=packing_overflow, eod_token_id=eod_token_id, cache=caches[k], loss_mask=masks[k])
 
     for split_number, wanted in enumerate(num_samples):
         if wanted <= 0:

@@ -30,6 +30,10 @@ The pack index is cached like the GPT sample index (data/index_cache.py: one pro
     pack_offsets  (P + 1,)      pieces [pack_offsets[p], pack_offsets[p + 1]) make pack p
     pack_targets  (P,) int32    the target tokens of pack p: its labels whose mask bit is 1 (what training counts)
     epoch_starts  (E + 1,)      the first pack of each epoch
+    overflowed    (E, 2)        the documents dropped and cut in each epoch (data.packing_overflow)
+
+A sample's loss-mask bits are its documents' (ones for a dataset without a mask), 0 on the padding, and 0 on each
+document's first token: it is the label of the previous document's end token, which cannot predict it.
 """
 
 from __future__ import annotations
@@ -42,21 +46,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.index_cache import IndexCache
+from data.index_cache import IndexCache, file_crc32
 from data.indexed_dataset import IndexedDataset, idx_path
 
 PACKINGS = ("concat", "bfd", "greedy", "none")
 OVERFLOWS = ("truncate", "drop", "split")
 PACK_INDEX_VERSION = 1
-PACK_INDEX_NAMES = ("pieces", "pack_offsets", "pack_targets", "epoch_starts")
+PACK_INDEX_NAMES = ("pieces", "pack_offsets", "pack_targets", "epoch_starts", "overflowed")
 
 
 def document_pieces(lengths: np.ndarray, documents: np.ndarray, capacity: int,
                     overflow: str) -> tuple[np.ndarray, int, int]:
     """(pieces (n, 3) [document, first token, length], documents dropped, documents cut) for ``documents`` (ids, in
-    order) of ``lengths`` (tokens of each id) into samples of ``capacity`` tokens, as ``overflow`` says."""
+    order) of ``lengths`` (tokens of each id) into samples of ``capacity`` tokens, as ``overflow`` says. Empty
+    documents are left out."""
     if overflow not in OVERFLOWS:
         raise ValueError(f"data.packing_overflow must be one of {OVERFLOWS}, got {overflow!r}")
+    documents = documents[np.asarray(lengths[documents]) > 0]  # an empty document has nothing to pack
     sizes = np.asarray(lengths[documents], dtype=np.int64)
     long = sizes > capacity
     if overflow == "drop":
@@ -185,14 +191,14 @@ class PackIndexSpec:
     packing: str
     overflow: str
     eod_token_id: int
-    loss_mask_fingerprint: str  # "" without a mask dataset: the target counts come from the bits
+    loss_mask_crc32: int  # of the mask dataset's .bin (-1 without one): the target counts come from its bits
 
     def description(self, prefix: str) -> dict:
         return {"class": "PackedDataset", "version": PACK_INDEX_VERSION, "dataset": idx_path(prefix),
                 "fingerprint": self.fingerprint, "document_range": list(self.document_range),
                 "seq_length": self.seq_length, "num_samples": self.num_samples, "seed": self.seed,
                 "packing": self.packing, "overflow": self.overflow, "eod_token_id": self.eod_token_id,
-                "loss_mask_fingerprint": self.loss_mask_fingerprint}
+                "loss_mask_crc32": self.loss_mask_crc32}
 
     def key(self) -> str:
         fields = self.description("")
@@ -208,7 +214,7 @@ class PackedDataset:
     ``epoch_starts``."""
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], seq_length: int, num_samples: int,
-                 seed: int, packing: str, overflow: str, eod_token_id: int, cache: IndexCache | None = None,
+                 *, seed: int, packing: str, overflow: str, eod_token_id: int, cache: IndexCache | None = None,
                  loss_mask: IndexedDataset | None = None) -> None:
         from data.gpt_dataset import dataset_fingerprint
 
@@ -223,7 +229,7 @@ class PackedDataset:
         check_documents_end(indexed, document_range, eod_token_id)
         self.spec = PackIndexSpec(dataset_fingerprint(indexed) if cache else "", (begin, end), seq_length,
                                   num_samples, seed, packing, overflow, eod_token_id,
-                                  dataset_fingerprint(loss_mask) if cache and loss_mask is not None else "")
+                                  file_crc32(loss_mask.bin_file) if cache and loss_mask is not None else -1)
 
         def build() -> dict[str, np.ndarray]:
             return build_pack_index(indexed.document_lengths(), (begin, end), self.capacity, num_samples, seed,
@@ -232,8 +238,8 @@ class PackedDataset:
         if cache is None:
             arrays, self.index_built = build(), True
         else:
-            arrays, self.index_built = cache.load_or_build(self.spec.key(), (*PACK_INDEX_NAMES, "overflowed"),
-                                                           build, self.spec.description(indexed.prefix))
+            arrays, self.index_built = cache.load_or_build(self.spec.key(), PACK_INDEX_NAMES, build,
+                                                           self.spec.description(indexed.prefix))
         self.pieces, self.pack_offsets = arrays["pieces"], arrays["pack_offsets"]
         self.pack_targets, self.epoch_starts = arrays["pack_targets"], arrays["epoch_starts"]
         self.dropped, self.cut = (int(value) for value in arrays["overflowed"][0])
@@ -251,10 +257,16 @@ class PackedDataset:
         return np.concatenate([*parts, np.full(self.capacity - used, padding, dtype=flat.dtype)])
 
     def _bits(self, pieces: np.ndarray) -> np.ndarray:
-        if self.loss_mask is not None:
-            return self._read(self.loss_mask.tokens, pieces, 0).astype(np.uint8)
+        """The loss-mask bits of the sample of these pieces: the mask dataset's (ones without one), 0 on the padding
+        and 0 on each piece's first token, which nothing before it in the sample can predict (the end token of the
+        previous document does not announce it; TRL's padding-free collator masks it likewise)."""
         used = int(pieces[:, 2].sum())
-        return np.concatenate([np.ones(used, np.uint8), np.zeros(self.capacity - used, np.uint8)])
+        if self.loss_mask is not None:
+            bits = self._read(self.loss_mask.tokens, pieces, 0).astype(np.uint8)
+        else:
+            bits = np.concatenate([np.ones(used, np.uint8), np.zeros(self.capacity - used, np.uint8)])
+        bits[np.cumsum(pieces[:, 2]) - pieces[:, 2]] = 0
+        return bits
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self._read(self.indexed.tokens, self._pieces(index), self.eod_token_id).astype(np.int64)
@@ -280,8 +292,9 @@ def check_documents_end(indexed: IndexedDataset, document_range: tuple[int, int]
     pointers = np.asarray(indexed.sequence_pointers, dtype=np.int64)
     starts = np.where(following >= len(indexed), indexed.num_tokens * indexed.dtype.itemsize,
                       pointers[np.minimum(following, len(indexed) - 1)]) // indexed.dtype.itemsize
-    last = np.asarray(indexed.tokens[starts - 1])
-    missing = np.flatnonzero(last != eod_token_id)
+    last = np.asarray(indexed.tokens[np.maximum(starts - 1, 0)])
+    empty = np.asarray(indexed.document_lengths()[begin:end]) == 0  # nothing to end (and left out of the packs)
+    missing = np.flatnonzero((last != eod_token_id) & ~empty)
     if len(missing):
         raise ValueError(f"{indexed.bin_file}: {len(missing)} of documents [{begin}, {end}) do not end with the "
                          f"end-of-document token {eod_token_id} (the first: document {begin + int(missing[0])}); "

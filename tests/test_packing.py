@@ -139,7 +139,8 @@ def test_overflow_is_truncated_dropped_or_split(tmp_path) -> None:
         covered = sorted(parts)
         assert covered[0][0] == 0 and sum(length for _, length in covered) == lengths[number]
         assert all(a[0] + a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
-    assert "2 documents dropped" in dropped.summary() and "padding" in truncated.summary()
+    assert "per epoch 2 documents dropped, 0 cut" in dropped.summary()
+    assert "per epoch 0 documents dropped, 2 cut" in truncated.summary()
 
 
 def test_documents_without_an_end_token_are_refused(tmp_path) -> None:
@@ -161,3 +162,27 @@ def test_config_names_the_packing_fields() -> None:
         DataConfig(packing="best")
     with pytest.raises(ValueError, match=r"data.packing_overflow must be one of .*'split'.*got 'wrap'"):
         DataConfig(packing_overflow="wrap")
+
+
+@pytest.mark.parametrize("eod_mask_loss", [False, True])
+def test_pack_targets_are_what_the_loader_trains_on(tmp_path, eod_mask_loss) -> None:
+    """Documents without a mask dataset (pretraining text), one of them empty: each sample's target count is the
+    loader's loss-mask sum, with eod_mask_loss too, and no document's first token is a target (the previous
+    document's end token cannot predict it); the empty document is left out."""
+    from data.loader import MicroBatchLoader
+
+    prefix = str(tmp_path / "text")
+    lengths = [7, 3, 0, 12, 5, 9, 1]
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for number, length in enumerate(lengths):
+            builder.add_item(np.concatenate([np.full(length - 1, number + 1), [EOD]]) if length else np.zeros(0))
+            builder.end_document()
+    dataset = PackedDataset(IndexedDataset(prefix), (0, len(lengths)), 15, 6, seed=1, packing="bfd",
+                            overflow="truncate", eod_token_id=EOD)
+    first_epoch = dataset.pieces[:dataset.pack_offsets[dataset.epoch_starts[1]]]
+    assert sorted(first_epoch[:, 2].tolist()) == [1, 3, 5, 7, 9, 12]  # every document but the empty one
+    loader = MicroBatchLoader(dataset, 1, 0, 1, eod_mask_loss=eod_mask_loss, eod_token_id=EOD)
+    for index, ((tokens, _), (_, loss_mask)) in enumerate(loader):
+        assert int(loss_mask.sum()) == dataset.pack_targets[index]
+        assert not loss_mask[0][tokens[0] == EOD].any()  # the label after an end token: a first token, or padding
+    assert index == len(dataset) - 1

@@ -2,7 +2,8 @@
 
 The batch: the shipped chat set, tokenised with a Qwen-style template whose {% generation %} blocks mark the replies
 (tools/preprocess_data.py, loss masks beside the tokens, each conversation closed by the end-of-document token),
-cut into samples by the loader with document masks and reset positions, four samples in two micro-batches.
+packed whole into samples of 257 tokens as fine-tuning packs them (data.packing "bfd": best-fit decreasing, end-token
+padding, document masks and reset positions by default), four samples in two micro-batches.
 
 - Ours: one training step at TP 2 x PP 2 through DeepSpeed's pipeline engine with training.loss_normalization
   "tokens" (the step's summed token losses over its N target tokens), from weights saved just before the step.
@@ -37,13 +38,13 @@ TOLERANCE = 1e-5
 
 
 def sft_run_config(tokens_prefix: str, cache: str):
-    """The tiny GPT-2 at TP 2 x PP 2 on the chat set with document masks and token normalisation."""
+    """The tiny GPT-2 at TP 2 x PP 2 on the chat set, packed whole, with token normalisation."""
     return load_run_config("ds_configs/tiny-cpu.json", [
         f"model.seq_length={SEQ_LENGTH}",
         f"train_micro_batch_size_per_gpu={MICRO_BATCH}", f"train_batch_size={GLOBAL_BATCH}",
         "schedule.batch.start=4", "data.split=\"1\"", "training.eval_iters=0",
         f"data.blend=[[1.0, \"{tokens_prefix}\"]]", f"data.cache_dir=\"{cache}\"", f"data.eod_token_id={EOD}",
-        "data.reset_attention_mask=true", "data.reset_position_ids=true", "training.loss_normalization=\"tokens\""])
+        "data.packing=\"bfd\"", "training.loss_normalization=\"tokens\""])
 
 
 def the_batch(config) -> list:
@@ -146,7 +147,7 @@ def test_sft_loss_equals_transformers_and_trl(tmp_path):
     config = sft_run_config(prefix, str(tmp_path / "index-cache"))
     micro_batches = the_batch(config)
     for (tokens, _, segment_ids), (_, loss_mask) in micro_batches:
-        assert (segment_ids.amax(dim=1) > 0).all()  # conversations are packed together in every sample
+        assert (segment_ids.amax(dim=1) > 0).all()  # conversations (and padding) packed together in every sample
         assert not loss_mask[tokens == EOD].any()  # no target crosses from one conversation into the next
     ours = run_distributed(4, _step, str(tmp_path / "checkpoints"), config.to_dict(), micro_batches)[0]
     assert convert_to_hf.main(["--checkpoint", str(tmp_path / "checkpoints"), "--output", str(tmp_path / "hf"),

@@ -108,21 +108,24 @@ class DataConfig:
     """How documents become samples of seq_length + 1 tokens (data/packing.py): "concat" (Megatron's pretraining
     samples, documents laid end to end and cut at sample boundaries), or whole documents, end-token padded: "bfd"
     (best-fit decreasing, TRL's), "greedy" (in order until the next does not fit) or "none" (one per sample).
-    Default: "bfd" when training.fine_tune is set, else "concat". Use whole-document packing with
-    reset_attention_mask and reset_position_ids, so that the documents of a sample do not see each other."""
+    Default: "bfd" when training.fine_tune is set, else "concat". Under whole-document packing reset_attention_mask
+    and reset_position_ids default to true: the documents of a sample do not see each other."""
     packing_overflow: str = "truncate"
     """A document longer than a sample, under whole-document packing: "truncate" it (TRL's default), "drop" it, or
     "split" it into pieces of seq_length + 1 tokens packed as documents of their own. The run's log counts them."""
-    reset_attention_mask: bool = False
+    reset_attention_mask: bool | None = None
     """Documents packed in one sample never attend to each other (a block-diagonal causal mask, as Megatron-LM's
-    --reset-attention-mask, which Llama 3 pretrained with): a document ends at its end-of-document token."""
-    reset_position_ids: bool = False
+    --reset-attention-mask, which Llama 3 pretrained with): a document ends at its end-of-document token. Default:
+    true under whole-document packing (data.packing "bfd", "greedy", "none"), false under "concat"."""
+    reset_position_ids: bool | None = None
     """Positions restart at 0 after each end-of-document token (Megatron-LM's --reset-position-ids), for RoPE and
-    learned positions alike."""
+    learned positions alike. Default as reset_attention_mask. Alone it still runs attention through the masked
+    kernel (a mask of one document), not SDPA's causal one."""
     eod_token_id: int | None = None
-    """The tokenizer's end-of-document id, used by eod_mask_loss, reset_attention_mask and reset_position_ids. Default: the end-of-text token of the Hugging Face
-    tokenizer the run starts from (carried by training.init_from's checkpoint, else in model.from_hf's directory),
-    else GPT-2's <|endoftext|>, 50256."""
+    """The tokenizer's end-of-document id: it ends documents for eod_mask_loss, reset_attention_mask,
+    reset_position_ids and whole-document packing (which also pads with it). Default: the end-of-text token of the
+    Hugging Face tokenizer the run starts from (carried by training.init_from's checkpoint, else in model.from_hf's
+    directory), else GPT-2's <|endoftext|>, 50256."""
 
     def __post_init__(self) -> None:
         from data.gpt_dataset import parse_split

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.device import accelerator_device
@@ -70,7 +71,7 @@ def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | No
             print(f"index cache of {prefix}: {directory} ({why})", flush=True)
             if find_loss_mask(prefix) is not None:
                 print(f"loss mask of {prefix}: {loss_mask_prefix(prefix)}", flush=True)
-    packing = packing_of(config)
+    packing = data_layout(config).packing
     train, valid, _ = build_gpt_datasets(data_path, config.data.split, config.model.seq_length,
                                          samples_needed(config), config.training.seed, cache_policy=policy,
                                          packing=packing, packing_overflow=config.data.packing_overflow,
@@ -83,21 +84,36 @@ def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | No
     return train, valid
 
 
-def packing_of(config: RunConfig) -> str:
-    """data.packing, or its default: "bfd" when the run fine-tunes (training.fine_tune), else "concat"."""
-    return config.data.packing or ("bfd" if config.training.fine_tune else "concat")
+@dataclass(frozen=True)
+class DataLayout:
+    """How the run's documents become samples, the data block's defaults resolved (training/config.py DataConfig)."""
+
+    packing: str  # "concat", "bfd", "greedy" or "none"
+    reset_attention_mask: bool
+    reset_position_ids: bool
+
+
+def data_layout(config: RunConfig) -> DataLayout:
+    """data.packing ("bfd" when the run fine-tunes, else "concat"), and the document masks and position reset
+    (on under whole-document packing) where the config leaves them unset."""
+    packing = config.data.packing or ("bfd" if config.training.fine_tune else "concat")
+    whole_documents = packing != "concat"
+    masks, positions = config.data.reset_attention_mask, config.data.reset_position_ids
+    return DataLayout(packing, whole_documents if masks is None else masks,
+                      whole_documents if positions is None else positions)
 
 
 def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:
     """One loader per DP rank from a data position; on CUDA it pins and prefetches the next micro-batch."""
     train, valid = build_datasets(config)
+    layout = data_layout(config)
 
     def factory(dataset: SampleDataset) -> LoaderFactory:
         return lambda consumed_samples: DevicePrefetcher.for_device(MicroBatchLoader(
             dataset, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
             eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id,
-            reset_attention_mask=config.data.reset_attention_mask, reset_position_ids=config.data.reset_position_ids),
+            reset_attention_mask=layout.reset_attention_mask, reset_position_ids=layout.reset_position_ids),
             accelerator_device())
 
     return factory(train), (factory(valid) if valid is not None else None)

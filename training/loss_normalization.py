@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 
 def take_micro_batches(loader: Iterator, count: int) -> list[Any]:
-    """The step's ``count`` micro-batches of this replica, ((tokens, positions), (labels, loss_mask)) each."""
+    """The step's ``count`` micro-batches of this replica, ((tokens, positions[, segment_ids]), (labels, loss_mask))
+    each."""
     return [next(loader) for _ in range(count)]
 
 
