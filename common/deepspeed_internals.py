@@ -15,6 +15,9 @@ common, data, model, hf, planner, evaluation, training, lab, tools and train.py)
     deepspeed.accelerator                                 the documented accelerator abstraction
     deepspeed.checkpoint.constants                        the universal checkpoint's parameter-pattern keys
     python -m deepspeed.checkpoint.ds_to_universal        the documented universal-conversion command
+    deepspeed.sequence.layer (DistributedAttention)       DeepSpeed-Ulysses' documented wrapper of a local attention
+                                                            (blogs/deepspeed-ulysses: "from deepspeed.sequence.layer
+                                                            import DistributedAttention"); model/attention.py
     the engine's public methods and attributes            train_batch, eval_batch, module, optimizer, grid, ...
 
 A touch is then: an import of any other DeepSpeed module, an attribute starting with ``_`` of a DeepSpeed object,
@@ -106,7 +109,7 @@ SUPPORTED_VERSIONS = ("0.19.8",)
 """The DeepSpeed versions every touch below was checked against (tests/test_deepspeed_internals.py)."""
 
 PUBLIC_MODULES = ("deepspeed", "deepspeed.pipe", "deepspeed.runtime.pipe.schedule", "deepspeed.accelerator",
-                  "deepspeed.checkpoint.constants", "deepspeed.checkpoint.ds_to_universal")
+                  "deepspeed.checkpoint.constants", "deepspeed.checkpoint.ds_to_universal", "deepspeed.sequence.layer")
 """The DeepSpeed modules any package may import or run (the module docstring says why each is public)."""
 
 PUBLIC_TOP_LEVEL = ("initialize", "init_distributed", "__version__")

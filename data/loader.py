@@ -19,6 +19,9 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
     _get_ltor_masks_and_position_ids, ``loss_mask[data == eod_token] = 0``). The end-of-document token itself is
     still learnt as a label, so a model trained with it learns to end a document.
 
+Context parallelism (CP > 1): the CP peers of a replica read the same samples, and each keeps its own seq_length / CP
+positions of tokens, position_ids (the global positions), labels and loss mask; segment_ids stay whole.
+
 Packed documents (Megatron-LM's reset_attention_mask and reset_position_ids, on the same end-of-document tokens): a
 document ends at its end-of-document token, and the next starts after it. With either flag the first stage's inputs
 gain the document of each token::
@@ -66,7 +69,8 @@ class MicroBatchLoader:
     def __init__(self, dataset: SampleDataset, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, consumed_samples: int = 0, eod_mask_loss: bool = False,
                  eod_token_id: int | None = None, reset_attention_mask: bool = False,
-                 reset_position_ids: bool = False) -> None:
+                 reset_position_ids: bool = False, context_parallel_size: int = 1,
+                 context_parallel_rank: int = 0) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
@@ -74,6 +78,9 @@ class MicroBatchLoader:
                              f"of {data_parallel_size}")
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        if context_parallel_size < 1 or not 0 <= context_parallel_rank < context_parallel_size:
+            raise ValueError(f"context_parallel_rank must be in [0, context_parallel_size); got rank "
+                             f"{context_parallel_rank} of {context_parallel_size}")
         for flag, name in ((eod_mask_loss, "eod_mask_loss"), (reset_attention_mask, "reset_attention_mask"),
                            (reset_position_ids, "reset_position_ids")):
             if flag and eod_token_id is None:
@@ -86,6 +93,7 @@ class MicroBatchLoader:
         self.eod_mask_loss = eod_mask_loss
         self.eod_token_id = eod_token_id
         self.reset_attention_mask, self.reset_position_ids = reset_attention_mask, reset_position_ids
+        self.context_parallel_size, self.context_parallel_rank = context_parallel_size, context_parallel_rank
 
     @property
     def samples_per_micro_batch(self) -> int:
@@ -129,10 +137,26 @@ class MicroBatchLoader:
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_token_id] = 0.0
         if not (self.reset_attention_mask or self.reset_position_ids):
-            return (tokens, position_ids), (labels, loss_mask)
+            return self._context_slice((tokens, position_ids), (labels, loss_mask))
         segment_ids, in_document = documents(tokens, self.eod_token_id)
-        return ((tokens, in_document if self.reset_position_ids else position_ids,
-                 segment_ids if self.reset_attention_mask else torch.zeros_like(segment_ids)), (labels, loss_mask))
+        return self._context_slice((tokens, in_document if self.reset_position_ids else position_ids),
+                                   (labels, loss_mask),
+                                   segment_ids if self.reset_attention_mask else torch.zeros_like(segment_ids))
+
+    def _context_slice(self, inputs: tuple[torch.Tensor, torch.Tensor], targets: tuple[torch.Tensor, torch.Tensor],
+                       segment_ids: torch.Tensor | None = None) -> MicroBatch:
+        """This CP rank's positions [c s/CP, (c+1) s/CP) of tokens, positions, labels and loss mask (all of them at
+        CP 1), cut after the labels are shifted; the documents (segment_ids) stay whole: attention sees every
+        position (model/attention.py)."""
+        if self.context_parallel_size > 1:
+            length = inputs[0].shape[1] // self.context_parallel_size
+            start = self.context_parallel_rank * length
+
+            def cut(pair):
+                return tuple(t[:, start:start + length].contiguous() for t in pair)
+
+            inputs, targets = cut(inputs), cut(targets)
+        return (inputs if segment_ids is None else (*inputs, segment_ids)), targets
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

@@ -7,6 +7,12 @@ SelfAttention is one block's attention (model/gpt.py assembles the blocks); its 
 with the attention dropout) is what selective recomputation reruns. Without document ids the core is SDPA's causal
 kernel; with a packed sample's ``segment_ids`` (data.reset_attention_mask) it is block-diagonal causal
 (``document_mask``), on SDPA (the reference) or FlexAttention (model.attention_backend "flex", GPUs).
+
+Under Ulysses context parallelism (parallelism.context_parallel_size CP > 1) s is this rank's slice of the sample,
+s = S / CP: RoPE rotates q and k at the slice's global positions, then DeepSpeed's DistributedAttention trades the
+sequence for heads (an all-to-all over the CP group: all S positions of nh / (R CP) query heads and their g / (R CP)
+key/value groups), runs the core on them (document masks from the whole sample's (b, S) segment ids), and trades
+back. Selective recomputation reruns the core between the all-to-alls, not the all-to-alls.
 """
 
 from __future__ import annotations
@@ -126,6 +132,16 @@ class SelfAttention(nn.Module):
             self.q_norm, self.k_norm = head_norm(config), head_norm(config)
             for parameter in (*self.q_norm.parameters(), *self.k_norm.parameters()):
                 mark_shared_by_heads(parameter)
+        # Ulysses context parallelism (CP > 1): this rank holds s / CP positions of every head of this TP rank; an
+        # all-to-all over the CP group gives the core all s positions of nh / (R CP) heads, and another gives back
+        # (DeepSpeed's DistributedAttention, in (b, s, heads, d) order). RoPE rotates before, at global positions.
+        self.context_parallel_rank = ctx.context_parallel_rank
+        self.ulysses = None
+        if ctx.context_parallel_size > 1:
+            from deepspeed.sequence.layer import DistributedAttention
+
+            self.ulysses = DistributedAttention(self._sequence_first_core, ctx.context_parallel_group,
+                                                scatter_idx=2, gather_idx=1)
         self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
         self.layer_number = layer_number
         self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
@@ -146,16 +162,33 @@ class SelfAttention(nn.Module):
         past = 0 if self.kv_cache is None else self.kv_cache.length
         if segment_ids is not None and self.kv_cache is not None:
             raise ValueError("document masks (packed samples) are for training: a KV cache holds one sequence")
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, offset=past, position_ids=position_ids)
+        if self.ulysses is not None and self.kv_cache is not None:
+            raise ValueError("generation runs at context_parallel_size 1: load the checkpoint with CP 1")
+        if self.rotary is not None:  # under CP, s is this rank's slice: positions from its start in the sample
+            start = past + (self.context_parallel_rank * s if position_ids is None else 0)
+            q, k = self.rotary(q, k, offset=start, position_ids=position_ids)
         if self.kv_cache is not None:
             k, v = self.kv_cache.extend(k, v)  # each (b, g/R, past + s, d)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = checkpoint(self.rng, self.core, q, k, v, segment_ids)
-        else:
-            context = self.core(q, k, v, segment_ids)  # (b, nh/R, s, d)
+        if self.ulysses is None:
+            context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d)
+        else:  # DeepSpeed's order (b, s, heads, d); segment_ids (b, S) are the whole sample's
+            context = self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
+                                   segment_ids).transpose(1, 2)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
         return self.dense(context)  # (b, s, h)
+
+    def _core_or_recompute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           segment_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(self.rng, self.core, q, k, v, segment_ids)
+        return self.core(q, k, v, segment_ids)
+
+    def _sequence_first_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             segment_ids: torch.Tensor | None) -> torch.Tensor:
+        """The core between Ulysses' all-to-alls: q (b, S, nh/(R CP), d), k and v (b, S, g/(R CP), d), all S
+        positions of this CP rank's heads (whole key/value groups: query head j's group j // q came with it)."""
+        context = self._core_or_recompute(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segment_ids)
+        return context.transpose(1, 2)  # (b, S, nh/(R CP), d)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              segment_ids: torch.Tensor | None = None) -> torch.Tensor:

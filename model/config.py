@@ -378,7 +378,7 @@ class ModelConfig:
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int,
                        sequence_parallel: bool = False, stages_per_rank: int = 1,
-                       expert_parallel_size: int = 1) -> None:
+                       expert_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
         """Raise ValueError if this model cannot be split TP x PP ways (with the sequence split TP ways too, and the
         experts EP ways: their split over the data-parallel ranks is checked once the world is known, RunConfig's
         check_world); ``stages_per_rank``: 2 under DualPipeV, whose PP ranks hold 2 PP stages."""
@@ -411,6 +411,7 @@ class ModelConfig:
                  f"ranks {self.num_layers // pp} block, and under DualPipeV a rank holds two stages, one on the way out "
                  f"and one on the way back: use at least 2 blocks per rank (a pipeline-parallel size of at most "
                  f"{self.num_layers // 2} that divides the layers: {[d for d in divisors if 2 * d <= self.num_layers]})")
+        self._check_context_parallel(tp, context_parallel_size, sequence_parallel)
         if sequence_parallel:
             _require(self.seq_length % tp == 0,
                      f"model.seq_length ({self.seq_length}) is not divisible by parallelism.tensor_parallel_size "
@@ -421,6 +422,25 @@ class ModelConfig:
             _require(self.recompute_num_layers <= per_stage,
                      f"model.recompute_num_layers ({self.recompute_num_layers}) is more than the {per_stage} blocks of "
                      f"each of the {pp} pipeline stages: use at most {per_stage}, or null for every block")
+
+    def _check_context_parallel(self, tp: int, cp: int, sequence_parallel: bool) -> None:
+        """Ulysses' all-to-all gives each CP rank whole heads of this TP rank's (whole key/value groups under GQA) and
+        each rank seq_length / CP positions (/ TP more with sequence parallelism)."""
+        _require(_is_positive_int(cp), f"parallelism.context_parallel_size must be a positive integer, got {cp!r}")
+        if cp == 1:
+            return
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(self, name)
+            _require(heads // tp % cp == 0,
+                     f"model.{name} ({heads}) / parallelism.tensor_parallel_size ({tp}) = {heads // tp} heads per TP "
+                     f"rank is not divisible by parallelism.context_parallel_size ({cp}): Ulysses gives each CP rank "
+                     f"whole heads (whole key/value groups under GQA); use a context-parallel size that divides "
+                     f"{heads // tp}, or a smaller tensor-parallel size")
+        positions = cp * (tp if sequence_parallel else 1)
+        _require(self.seq_length % positions == 0,
+                 f"model.seq_length ({self.seq_length}) is not divisible by parallelism.context_parallel_size ({cp})"
+                 + (f" x tensor_parallel_size ({tp}) under sequence_parallel" if sequence_parallel and tp > 1 else "")
+                 + f" = {positions}: each rank holds seq_length / {positions} positions; use a multiple of {positions}")
 
     def _check_experts(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         """The experts TP-sharded like the dense MLP, and split EP ways."""
@@ -469,9 +489,15 @@ class ParallelConfig:
     """Data-parallel ranks of the same TP and PP coordinates that share the experts of each sparse block, each holding
     model.moe.num_experts / EP of them (model/moe.py). Must divide the experts and the data-parallel size; only with
     model.moe."""
+    context_parallel_size: int = 1
+    """Ranks that split each sample's sequence (Ulysses context parallelism, Jacobs et al. 2023): each holds
+    seq_length / CP positions everywhere but inside attention, where an all-to-all gives it every position of
+    heads / CP heads (model/attention.py). CP peers are consecutive ranks of DeepSpeed's data axis (DP x CP), with
+    the same TP and PP coordinates; DP is what is left: world / (TP x PP x CP) replicas of the batch."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                     "context_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0,
                      f"parallelism.{name} must be a positive integer, got {value!r}")
@@ -480,6 +506,13 @@ class ParallelConfig:
         _require(self.pipeline_schedule in PIPELINE_SCHEDULES,
                  f"parallelism.pipeline_schedule must be one of {', '.join(map(json.dumps, PIPELINE_SCHEDULES))}, "
                  f"got {self.pipeline_schedule!r}")
+        cp = self.context_parallel_size
+        _require(cp == 1 or self.expert_parallel_size == 1,
+                 f"parallelism.context_parallel_size {cp} with expert_parallel_size {self.expert_parallel_size}: both "
+                 f"are carved out of the data axis and their combination is not built; use one of them")
+        _require(cp == 1 or self.pipeline_schedule == "1f1b",
+                 f"parallelism.context_parallel_size {cp} runs with the \"1f1b\" pipeline schedule; DualPipeV under "
+                 f"context parallelism is not built: use \"1f1b\"")
         _require(self.pipeline_schedule == "1f1b" or self.pipeline_parallel_size >= 2,
                  "parallelism.pipeline_schedule \"dualpipev\" needs parallelism.pipeline_parallel_size >= 2 (it "
                  "fills the bubble between pipeline stages; with one stage there is none): use \"1f1b\"")
@@ -489,12 +522,19 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """World size / (TP x PP), or a ValueError showing every factor."""
-        mp = self.model_parallel_size
-        _require(world_size % mp == 0,
+        """The replicas of the batch, world size / (TP x PP x CP), or a ValueError showing every factor."""
+        return self.data_axis_size(world_size) // self.context_parallel_size
+
+    def data_axis_size(self, world_size: int) -> int:
+        """DeepSpeed's data-parallel world, DP x CP = world size / (TP x PP): what averages the gradients, shards
+        ZeRO-1 and names a checkpoint's layout."""
+        split = self.model_parallel_size * self.context_parallel_size
+        _require(world_size % split == 0,
                  f"world size {world_size} is not divisible by tensor_parallel_size ({self.tensor_parallel_size}) x "
-                 f"pipeline_parallel_size ({self.pipeline_parallel_size}) = {mp}: launch a multiple of {mp} processes")
-        return world_size // mp
+                 f"pipeline_parallel_size ({self.pipeline_parallel_size})"
+                 + (f" x context_parallel_size ({self.context_parallel_size})" if self.context_parallel_size > 1 else "")
+                 + f" = {split}: launch a multiple of {split} processes")
+        return world_size // self.model_parallel_size
 
 
 def check_expert_parallel(moe: MoEConfig | None, expert_parallel_size: int,

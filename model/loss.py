@@ -10,6 +10,8 @@ the whole vocabulary (the cross-entropy has it already, on the vocabulary shards
 With training.loss_normalization "tokens", T is instead the step's target tokens over all its micro-batches and
 data-parallel replicas divided by (micro-batches x DP) (``step_tokens``, set by the trainer): the engine's mean of
 the micro-batch losses over accumulation and replicas is then sum over every target token of the step / their count.
+Under context parallelism (CP > 1) a rank holds a slice of each micro-batch's positions, and "replicas" are DeepSpeed's
+DP x CP ranks: T counts the slices' targets together, so the average is over whole micro-batches all the same.
 
 The z-loss pulls log Z towards 0, so the output logits cannot drift together far from it (Wortsman et al. 2023's
 output-logit divergence). ``GPTLoss`` is the pipeline's loss function (the last stage calls it once per
@@ -22,6 +24,7 @@ there: the trainer reads it once per logged step (training/stability.py).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from model.layers import vocab_parallel_cross_entropy
 from model.parallel import ParallelContext
@@ -51,12 +54,24 @@ class GPTLoss:
         losses, log_z = vocab_parallel_cross_entropy(logits, targets, self.ctx.tensor_parallel_group, vocab_start,
                                                      return_log_z=True)  # (b, s) fp32 each
         mask = loss_mask.float()
-        tokens = mask.sum().clamp(min=1.0) if self.step_tokens is None else self.step_tokens
+        tokens = self.step_tokens if self.step_tokens is not None else self._micro_batch_tokens(mask)
         cross_entropy = (losses * mask).sum() / tokens
         z_term = self.z_loss * (log_z.square() * mask).sum() / tokens if self.z_loss else None
         if self.recording:
             self._record(cross_entropy, z_term, log_z.detach(), mask)
         return cross_entropy if z_term is None else cross_entropy + z_term
+
+    def _micro_batch_tokens(self, mask: torch.Tensor) -> torch.Tensor:
+        """The divisor of a micro-batch's mean. Under context parallelism each CP rank holds a slice of the
+        micro-batch's positions, and DeepSpeed averages the losses over DP x CP: the slices' target tokens summed
+        over the CP group, / CP, make that average each micro-batch's mean over all its positions, whatever mask
+        each slice holds."""
+        count = mask.sum()
+        if self.ctx.context_parallel_size > 1:
+            count = count.detach().clone()
+            dist.all_reduce(count, group=self.ctx.context_parallel_group)
+            return count.clamp(min=1.0) / self.ctx.context_parallel_size
+        return count.clamp(min=1.0)
 
     def _record(self, cross_entropy: torch.Tensor, z_term: torch.Tensor | None, log_z: torch.Tensor,
                 mask: torch.Tensor) -> None:

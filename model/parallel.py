@@ -40,9 +40,15 @@ class ParallelContext:
     expert_parallel_group: Any = None
     """EP > 1: DeepSpeed's expert-parallel group of this rank (EP consecutive data ranks with this rank's TP and PP
     coordinates), which every MoEBlock dispatches over; None at EP 1 (experts replicated over DP)."""
+    context_parallel_size: int = 1
+    context_parallel_rank: int = 0
+    context_parallel_group: Any = None
+    """CP > 1: the CP consecutive ranks of DeepSpeed's data axis with this rank's TP and PP coordinates, which read the
+    same samples, each its own seq_length / CP positions, and meet in attention (Ulysses' all-to-all). The
+    data-parallel size and rank above count the replicas of the batch (DP); DeepSpeed's data axis is DP x CP."""
 
     def __post_init__(self) -> None:
-        for axis in ("tensor", "pipeline", "data"):
+        for axis in ("tensor", "pipeline", "data", "context"):
             size = getattr(self, f"{axis}_parallel_size")
             rank = getattr(self, f"{axis}_parallel_rank")
             if not 0 <= rank < size:
@@ -56,10 +62,17 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
 
+    @property
+    def data_axis_size(self) -> int:
+        """DeepSpeed's data-parallel world, DP x CP: the ranks its engine averages gradients over and ZeRO-1 shards."""
+        return self.data_parallel_size * self.context_parallel_size
+
     def describe(self) -> str:
         return (f"TP {self.tensor_parallel_rank}/{self.tensor_parallel_size} "
                 f"PP {self.pipeline_parallel_rank}/{self.pipeline_parallel_size} "
                 f"DP {self.data_parallel_rank}/{self.data_parallel_size}"
+                + (f" CP {self.context_parallel_rank}/{self.context_parallel_size}"
+                   if self.context_parallel_size > 1 else "")
                 + (", sequence parallel" if self.sequence_parallel else ""))
 
 
@@ -155,11 +168,14 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
     here too (world / EP groups of each kind; every rank makes all of them), before any stage is built.
     """
     world_size = dist.get_world_size()
-    dp_size = parallel.data_parallel_size(world_size)
+    dp_size, cp = parallel.data_parallel_size(world_size), parallel.context_parallel_size
     topology = ds_internals.pipe_data_model_topology(parallel.pipeline_parallel_size, parallel.tensor_parallel_size,
-                                                     dp_size)
+                                                     parallel.data_axis_size(world_size))
     rank = dist.get_rank()
     tp_group = _my_group(topology.get_axis_comm_lists("model"), rank)
+    # CP groups: consecutive coordinates of each data axis (same TP and PP), so CP peers sit TP ranks apart
+    cp_group = _my_group([axis[start:start + cp] for axis in topology.get_axis_comm_lists("data")
+                          for start in range(0, len(axis), cp)], rank)
     coord = topology.get_coord(rank)
     expert_parallel_size, expert_group = parallel.expert_parallel_size, None
     if expert_parallel_size > 1:  # collective: every rank, also on stages without sparse blocks
@@ -167,7 +183,9 @@ def build_parallel_context(parallel: ParallelConfig) -> ParallelContext:
             expert_parallel_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp_size)
     return ParallelContext(tensor_parallel_size=parallel.tensor_parallel_size, tensor_parallel_rank=coord.model,
                            pipeline_parallel_size=parallel.pipeline_parallel_size, pipeline_parallel_rank=coord.pipe,
-                           data_parallel_size=dp_size, data_parallel_rank=coord.data,
+                           data_parallel_size=dp_size, data_parallel_rank=coord.data // cp,
+                           context_parallel_size=cp, context_parallel_rank=coord.data % cp,
+                           context_parallel_group=cp_group,
                            tensor_parallel_group=tp_group, topology=topology,
                            sequence_parallel=parallel.sequence_parallel and parallel.tensor_parallel_size > 1,
                            expert_parallel_size=expert_parallel_size, expert_parallel_group=expert_group)

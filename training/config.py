@@ -371,9 +371,18 @@ class RunConfig:
             self.model.check_parallel(self.parallelism.tensor_parallel_size,
                                       self.parallelism.pipeline_parallel_size, self.parallelism.sequence_parallel,
                                       stages_per_rank(self.parallelism.pipeline_schedule),
-                                      self.parallelism.expert_parallel_size)
+                                      self.parallelism.expert_parallel_size, self.parallelism.context_parallel_size)
         except ValueError as error:
             raise ValueError(f"{error} (the model's shape comes from {self.model_origin})") from None
+        cp = self.parallelism.context_parallel_size
+        if cp > 1 and self.training.eval_tasks:
+            raise ValueError(f"training.eval_tasks scores whole sequences on the live stages, and parallelism."
+                             f"context_parallel_size {cp} splits them: evaluate the checkpoints with tools/evaluate.py "
+                             f"(it loads them at CP 1), or remove training.eval_tasks")
+        if cp > 1 and self.schedule.batch.get("type") == "noise_scale":
+            raise ValueError(f"schedule.batch.type \"noise_scale\" measures one replica's gradient, and under "
+                             f"parallelism.context_parallel_size {cp} a rank holds the gradient of its slices of the "
+                             f"sequence only: use the \"ramp\" type")
         if self.parallelism.pipeline_schedule == "dualpipev" and self.training.eval_tasks:
             raise ValueError("training.eval_tasks runs the live stages in pipeline order (evaluation/pipeline.py), and "
                              "under parallelism.pipeline_schedule \"dualpipev\" a rank holds two stages of a V: "

@@ -1,4 +1,5 @@
-"""The run's data: datasets checked at start-up, sample indices built once per node, one loader per DP rank."""
+"""The run's data: datasets checked at start-up, sample indices built once per node, one loader per DP rank (its CP
+slice of each sample under context parallelism)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[Loa
             dataset, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
             eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id,
-            reset_attention_mask=layout.reset_attention_mask, reset_position_ids=layout.reset_position_ids),
+            reset_attention_mask=layout.reset_attention_mask, reset_position_ids=layout.reset_position_ids,
+            context_parallel_size=ctx.context_parallel_size, context_parallel_rank=ctx.context_parallel_rank),
             accelerator_device())
 
     return factory(train), (factory(valid) if valid is not None else None)

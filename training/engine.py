@@ -70,11 +70,13 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         raise ValueError(f"model.attention_backend \"flex\" trains on CUDA only: torch has no FlexAttention backward "
                          f"on {device.type}; use \"sdpa\" here (the same attention, tests/test_document_masks.py)")
     context = build_parallel_context(parallel_config)
+    deepspeed_config = {**deepspeed_config, "train_batch_size": deepspeed_batch_size(
+        deepspeed_config["train_batch_size"], context)}
     schedule = parallel_config.pipeline_schedule
     if schedule == "dualpipev":
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config, DUALPIPEV_WHOLE_TENSORS)
         micro_batches = deepspeed_config["train_batch_size"] // (deepspeed_config["train_micro_batch_size_per_gpu"]
-                                                                * context.data_parallel_size)
+                                                                * context.data_axis_size)
         if micro_batches < 2 * context.pipeline_parallel_size:  # DualPipeVEngine asserts it; train.py says it earlier
             raise ValueError(f"DualPipeV needs at least 2 x PP = {2 * context.pipeline_parallel_size} micro-batches "
                              f"per pipeline at the full batch (train_batch_size), got {micro_batches}; smaller batches "
@@ -97,6 +99,19 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         ds_internals.run_before_instruction(engine, "ForwardPass",
                                             lambda: set_micro_batches(sparse, engine.micro_batches))
     return engine, context
+
+
+def deepspeed_batch_size(samples: int, context: ParallelContext) -> int:
+    """What DeepSpeed calls the batch (train_batch_size) for a global batch of ``samples``: micro-batch x
+    accumulation x its data axis, which under context parallelism holds each sample CP times (one slice per CP rank).
+    The run's batch sizes (the config, the ramp, the counters, the log) count samples; only the engine sees this."""
+    return samples * context.context_parallel_size
+
+
+def set_global_batch(engine: Any, context: ParallelContext, samples: int) -> None:
+    """The engine's batch for a global batch of ``samples`` (the batch ramp): micro-batches per step follow."""
+    if engine.train_batch_size() != deepspeed_batch_size(samples, context):
+        engine.set_train_batch_size(deepspeed_batch_size(samples, context))
 
 
 def _pad_stages_without_experts(engine: Any, context: ParallelContext, param_groups: list[dict[str, Any]]) -> None:

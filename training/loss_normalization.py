@@ -9,7 +9,9 @@ global batch, a micro-batch whose loss is its own sum divided by N / (m d) makes
 whatever the split, and so do the gradients: what TRL (num_items_in_batch) and Megatron-LM (--calculate-per-token-
 loss) compute. Before each step every rank takes the step's micro-batches from its loader (each rank's loader yields
 its replica's micro-batches, whether or not its stage reads them), counts their targets, and sums the counts over its
-data-parallel group; model/loss.py GPTLoss divides by ``step_tokens`` = N / (m d). Evaluation keeps each
+data-parallel group; model/loss.py GPTLoss divides by ``step_tokens`` = N / (m d). Under context parallelism d is
+DeepSpeed's data axis, DP x CP: each CP rank counts the targets of its slices, and the sum over the axis is N all the
+same. Evaluation keeps each
 micro-batch's mean (``step_tokens`` is cleared after the step).
 """
 

@@ -160,13 +160,18 @@ class NoiseScaleMonitor:
         self.engine, self.ctx = engine, ctx
         self.estimator = GradientNoiseScale(beta)
         self.info = info or _print_on_rank_zero
-        self.enabled = ctx.data_parallel_size > 1 and ctx.expert_parallel_size == 1
+        # under context parallelism a rank's gradient is that of its sequence slices, not of a replica's batch
+        self.enabled = ctx.data_parallel_size > 1 and ctx.expert_parallel_size == 1 and ctx.context_parallel_size == 1
         self.last: dict[str, float | None] = {"noise_scale": None}
         self._local_squared: torch.Tensor | None = None
         if ctx.data_parallel_size == 1:
             self.info("gradient noise scale: not measured. It compares one replica's gradient (B_small = "
                       "micro-batch x accumulation steps) with the data-parallel mean (B_big = B_small x DP); "
                       "with data parallelism 1 the two batches are the same, B_small == B_big")
+        elif ctx.context_parallel_size > 1:
+            self.info(f"gradient noise scale: not measured. It needs one replica's gradient (B_small = micro-batch x "
+                      f"accumulation steps); with context parallelism {ctx.context_parallel_size} a rank's gradient "
+                      f"before the reduction is that of its slices of the sequence, and no rank holds a replica's")
         elif not self.enabled:
             self.info(f"gradient noise scale: not measured. It needs one replica's gradient; with expert "
                       f"parallelism {ctx.expert_parallel_size} an expert's gradient before the reduction already sums "

@@ -52,7 +52,7 @@ def resume_point(config: RunConfig) -> ResumePoint | None:
         return None
     parallel = config.parallelism
     now = Layout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                 parallel.data_parallel_size(dist.get_world_size()), parallel.pipeline_schedule,
+                 parallel.data_axis_size(dist.get_world_size()), parallel.pipeline_schedule,
                  parallel.expert_parallel_size)
     log = print if dist.get_rank() == 0 else (lambda message: None)
     return prepare_resume(config.training.save, now, config.training.fallback_on_corrupt_checkpoint,

@@ -32,7 +32,7 @@ from model.parallel import ParallelContext
 from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
 from training import checkpoint
 from training.config import RunConfig
-from training.engine import pipeline_schedule_of
+from training.engine import pipeline_schedule_of, set_global_batch
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
 from training.loss_normalization import clear_step_tokens, set_step_tokens, take_micro_batches
@@ -197,8 +197,7 @@ class Trainer:
     def train_step(self, loader: FaultyLoader) -> tuple[float, bool]:
         """One optimizer step; returns the loss and whether DeepSpeed skipped the update."""
         batch = self.next_batch()
-        if batch != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(batch)
+        set_global_batch(self.engine, self.ctx, batch)
         self._announce_pipeline_schedule()
         lr = self.lr_schedule(self.state.consumed_tokens + batch * self.seq_length)
         for group in self.engine.optimizer.param_groups:
@@ -212,7 +211,7 @@ class Trainer:
         data, objective = loader, self.engine.module.objective
         if self.config.training.loss_normalization == "tokens":  # the step's target count first (collective over DP)
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
-            set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_parallel_size)
+            set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size)
             data = iter(data)
         try:
             loss = self.engine.train_batch(data_iter=data).item()
@@ -449,8 +448,8 @@ class Trainer:
         if self.noise_scale_schedule is not None and client_state.get("noise_scale_schedule"):
             self.noise_scale_schedule.load_state_dict(client_state["noise_scale_schedule"])
         # DeepSpeed does not restore a changed batch size: re-apply the one in force when the checkpoint was taken.
-        if self.state.global_batch and self.state.global_batch != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(self.state.global_batch)
+        if self.state.global_batch:
+            set_global_batch(self.engine, self.ctx, self.state.global_batch)
 
     def rollback(self) -> None:
         """Reload the latest checkpoint and jump the data over everything from there to the spike."""
