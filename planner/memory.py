@@ -105,9 +105,10 @@ def transformer_layers(count: StageCount) -> int:
     return sum(name == "TransformerLayer" for name in count.layers)
 
 
-def hidden_tensor_bytes(model: ModelConfig, micro_batch: int) -> int:
-    """One (b, s, h) activation in the model dtype: what a layer takes in and what a stage sends (2 s b h in bf16)."""
-    return model.seq_length * micro_batch * model.hidden_size * DTYPE_BYTES[model.precision]
+def hidden_tensor_bytes(model: ModelConfig, micro_batch: int, context_parallel_size: int = 1) -> int:
+    """One (b, s, h) activation in the model dtype: what a layer takes in and what a stage sends (2 s b h in bf16);
+    under context parallelism a rank's s / CP positions of it."""
+    return model.seq_length // context_parallel_size * micro_batch * model.hidden_size * DTYPE_BYTES[model.precision]
 
 
 FINAL_NORM_LAYERS = {norm.__name__ for norm in FINAL_NORMS.values()}
@@ -203,11 +204,14 @@ def sparse_mlp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, 
 
 def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
                          attention_scores_stored: bool = False, micro_batch: int = 1, sparse: bool = False,
-                         expert_parallel_size: int = 1) -> list[StoredTensor]:
+                         expert_parallel_size: int = 1, context_parallel_size: int = 1) -> list[StoredTensor]:
     """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
     micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
     layer_activation_bytes (module docstring). ``sparse``: a block of a Mixture-of-Experts model with experts (its
-    MLP's rows and the ln2 output are sparse_mlp_stored_tensors')."""
+    MLP's rows and the ln2 output are sparse_mlp_stored_tensors'). Under context parallelism (CP > 1) per token of
+    the rank's slice: the core keeps the all-to-all's copies of q, k and v (all S positions of heads / CP heads: the
+    QKV output's bytes per slice token) and its own output, which the all-to-all back copies into the dense input;
+    the QKV output, the rotated query and keys are freed once sent."""
     h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
     dtype = DTYPE_BYTES[model.precision]
     u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
@@ -218,18 +222,20 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     # unless a rank holds several key/value groups of several query heads: flatten then copies it to (b, a, s, d)
     # (RoPE's rotation keeps whichever layout it gets).
     query_contiguous = model.queries_per_key_value_head > 1 and model.num_key_value_heads // t > 1
+    ulysses = context_parallel_size > 1
     rows = [
         StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
         StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES)
         if not sparse else StoredTensor("ln1 output, residual sum (ln2 input)", 2 * dtype * replicated, STORING_MODES),
         *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
-        StoredTensor("QKV output (q, k, v are views of it)", dtype * model.qkv_size / t, STORING_MODES),
+        StoredTensor("q, k, v after Ulysses' all-to-all" if ulysses else "QKV output (q, k, v are views of it)",
+                     dtype * model.qkv_size / t, STORING_MODES),
     ]
-    if query_copied:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
+    if query_copied and not ulysses:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
         rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * attention, STORING_MODES))
     if model.position_embedding == "rope":  # the rotated keys; x cos and rotate_half(x) sin keep cos and sin only
-        rows += [StoredTensor("rotated keys", dtype * kv, STORING_MODES),
-                 StoredTensor("RoPE cos and sin, (s, d) each per block", 2 * dtype * model.head_dim / micro_batch,
+        rows += [StoredTensor("rotated keys", dtype * kv, STORING_MODES)] if not ulysses else []
+        rows += [StoredTensor("RoPE cos and sin, (s, d) each per block", 2 * dtype * model.head_dim / micro_batch,
                               STORING_MODES)]
     if model.qk_layernorm:  # the normalised q and k, and each head's statistics (fp32), like a norm's rows
         stats = (2 if model.norm == "layernorm" else 1) * 4 * (heads + model.num_key_value_heads / t)
@@ -241,7 +247,7 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
                                  ("none",)))
     else:  # the fused kernel keeps its output and one fp32 statistic per row and head
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
-        if query_contiguous:  # its output is then (b, a, s, d) too: the dense input is a transposed copy
+        if query_contiguous or ulysses:  # (b, a, s, d) too, or sent back: the dense input is a copy
             rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
     if sparse:
         rows += sparse_mlp_stored_tensors(model, t, micro_batch=micro_batch, expert_parallel_size=expert_parallel_size)
@@ -256,7 +262,7 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
 
 def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int, *,
                            sequence_parallel: bool, recompute: str, attention_scores_stored: bool = False,
-                           sparse: bool = False, expert_parallel_size: int = 1) -> float:
+                           sparse: bool = False, expert_parallel_size: int = 1, context_parallel_size: int = 1) -> float:
     """Bytes one block keeps for its backward per micro-batch, its output counted ("full": the output alone, h u
     per token), by default without the s x s scores, which the fused kernel the model runs does not keep;
     ``sparse``: a block with experts (sparse_mlp_stored_tensors)."""
@@ -264,8 +270,9 @@ def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel
         raise ValueError(f"recompute must be one of {ALL_MODES}, got {recompute!r}")
     rows = layer_stored_tensors(model, tensor_parallel_size, sequence_parallel=sequence_parallel,
                                 attention_scores_stored=attention_scores_stored, micro_batch=micro_batch,
-                                sparse=sparse, expert_parallel_size=expert_parallel_size)
-    tokens = model.seq_length * micro_batch
+                                sparse=sparse, expert_parallel_size=expert_parallel_size,
+                                context_parallel_size=context_parallel_size)
+    tokens = model.seq_length // context_parallel_size * micro_batch  # this rank's slice under CP
     return tokens * sum(row.bytes_per_token for row in rows if recompute in row.modes)
 
 
@@ -299,20 +306,21 @@ class StageActivations:
 def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int, *,
                       sequence_parallel: bool = False, recompute: str | None = None,
                       attention_scores_stored: bool = False, pipeline_parallel_size: int | None = None,
-                      expert_parallel_size: int = 1) -> StageActivations:
+                      expert_parallel_size: int = 1, context_parallel_size: int = 1) -> StageActivations:
     """One stage's activations in ``recompute`` mode (default: the config's), recompute_num_layers applied over
     the 1F1B stages of ``pipeline_parallel_size`` (default: the stage's own blocks are one such stage). A
     Mixture-of-Experts model's blocks are summed one by one, each sparse or dense (model.moe.is_sparse), the
     working set the largest recomputed one."""
     recompute = model.recompute if recompute is None else recompute
-    s, b, h, t = model.seq_length, micro_batch, model.hidden_size, tensor_parallel_size
+    s, b, h, t = model.seq_length // context_parallel_size, micro_batch, model.hidden_size, tensor_parallel_size
     u = 1.0 / t if sequence_parallel else 1.0
     dtype = DTYPE_BYTES[model.precision]
 
     def layer(mode: str, sparse: bool = False) -> float:
         return layer_activation_bytes(model, b, t, sequence_parallel=sequence_parallel, recompute=mode,
                                       attention_scores_stored=attention_scores_stored, sparse=sparse,
-                                      expert_parallel_size=expert_parallel_size)
+                                      expert_parallel_size=expert_parallel_size,
+                                      context_parallel_size=context_parallel_size)
 
     if model.moe is None:
         blocks = transformer_layers(count)
@@ -326,7 +334,7 @@ def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, t
         recomputed = max((layer("none", model.moe.is_sparse(n))
                           - (0.0 if recompute == "full" else layer(recompute, model.moe.is_sparse(n)))
                           for n in count.blocks if recomputes[n]), default=0.0)
-    stage_input = hidden_tensor_bytes(model, b) * u
+    stage_input = hidden_tensor_bytes(model, b, context_parallel_size) * u
     first_stage_mask = s * b * h * u if count.stage == 0 and model.hidden_dropout > 0 else 0
     head = head_held = 0.0
     if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
@@ -401,16 +409,17 @@ class StageMemory:
 def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, data_parallel_size: int,
                  micro_batches: int, hardware: Hardware, assumptions: Assumptions) -> StageMemory:
     """The bytes of one GPU of pipeline rank ``count.stage`` (under DualPipeV its two stages, ``count.phases``)."""
-    model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
-    ep = config.parallelism.expert_parallel_size
+    ep, cp = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
+    # DeepSpeed's data axis, DP x CP, which ZeRO-1 shards over
+    model, n, d = config.model, count.parameters_per_tp_rank, data_parallel_size * cp
     # ZeRO-1 shards: the dense parameters over DP, the experts over the expert-data-parallel group (d / EP ranks)
     experts = expert_parameters_of(count)
 
     def sharded(bytes_per_parameter: int) -> int:
         return bytes_per_parameter * (n - experts) // d + bytes_per_parameter * experts // (d // ep)
 
-    hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size)
+    hidden_tensor = hidden_tensor_bytes(model, config.micro_batch_size, cp)
     # the received activation and gradient: the sequence shard with SP, else the whole tensor
     received = hidden_tensor / tp if config.parallelism.sequence_parallel else hidden_tensor
 
@@ -418,7 +427,7 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
         return stage_activations(model, c, config.micro_batch_size, tp,
                                  sequence_parallel=config.parallelism.sequence_parallel, recompute=mode,
                                  attention_scores_stored=assumptions.attention_scores_stored,
-                                 pipeline_parallel_size=pp, expert_parallel_size=ep)
+                                 pipeline_parallel_size=pp, expert_parallel_size=ep, context_parallel_size=cp)
 
     if count.phases:  # DualPipeV: what the rank's instruction stream keeps (module docstring)
         totals = {}

@@ -69,6 +69,8 @@ class Plan:
     global_batch_size: int
     schedule: str = "1f1b"
     """parallelism.pipeline_schedule."""
+    context_parallel_size: int = 1
+    """parallelism.context_parallel_size: data_parallel_size counts the replicas, DP x CP the data axis."""
     micro_batches: int | None = None
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -167,11 +169,12 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
     gpus = nodes * hardware.gpus_per_node
     plan = Plan(nodes=nodes, gpus=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=None,
                 micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size,
-                schedule=config.parallelism.pipeline_schedule)
+                schedule=config.parallelism.pipeline_schedule,
+                context_parallel_size=config.parallelism.context_parallel_size)
     try:
         plan.data_parallel_size = config.parallelism.data_parallel_size(gpus)
     except ValueError as error:
-        model_parallel = tp * pp
+        model_parallel = tp * pp * config.parallelism.context_parallel_size
         step = model_parallel // math.gcd(model_parallel, hardware.gpus_per_node)
         plan.errors.append(f"data parallelism is not a whole number: {nodes} nodes x {hardware.gpus_per_node} GPUs = "
                            f"{error}; use a multiple of {step} nodes")
@@ -213,7 +216,7 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
     plan.first_batch, plan.full_batch = times[ramp.sizes()[0]], times[ramp.end]
     if iteration_seconds is not None:
         plan.measured = measured_throughput(config, gpus, iteration_seconds, hardware, plan.full_batch.seconds)
-    plan.checkpoint = checkpoint_cost(config, parameters, d, plan.full_batch.seconds, hardware, storage or Storage())
+    plan.checkpoint = checkpoint_cost(config, parameters, d * plan.context_parallel_size, plan.full_batch.seconds, hardware, storage or Storage())
     if plan.checkpoint.async_overlaps_next_save:
         between = config.training.save_interval * plan.full_batch.seconds
         plan.warnings.append(f"a checkpoint takes {plan.checkpoint.write_seconds:.3g} s to write, more than "

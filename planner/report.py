@@ -55,18 +55,28 @@ EXPERT_KEYS = ("experts", "expert_all_to_all", "expert_parallel_size")
 """Keys only a Mixture-of-Experts model's documents carry: a dense model's --json stays as it was."""
 
 
-def _without_expert_keys(value: Any) -> Any:
+CONTEXT_KEYS = ("context_parallel_size", "context_all_to_all")
+"""Keys only a context-parallel (CP > 1) plan or layout carries."""
+
+
+def _without_keys(value: Any, keys: tuple[str, ...]) -> Any:
     if isinstance(value, dict):
-        return {key: _without_expert_keys(v) for key, v in value.items() if key not in EXPERT_KEYS}
+        return {key: _without_keys(v, keys) for key, v in value.items() if key not in keys}
     if isinstance(value, list):
-        return [_without_expert_keys(v) for v in value]
+        return [_without_keys(v, keys) for v in value]
     return value
+
+
+def _without_expert_keys(value: Any) -> Any:
+    return _without_keys(value, EXPERT_KEYS)
 
 
 def plan_to_dict(plan: Plan, experts: bool | None = None) -> dict[str, Any]:
     """The plan's fields; the MoE ones (EXPERT_KEYS) only for a Mixture-of-Experts model (``experts``; default:
-    whether the plan has expert figures)."""
+    whether the plan has expert figures), the context-parallel ones (CONTEXT_KEYS) only at CP > 1."""
     document = dataclasses.asdict(plan)
+    if plan.context_parallel_size == 1:
+        document = _without_keys(document, CONTEXT_KEYS)
     return document if (plan.experts is not None if experts is None else experts) else _without_expert_keys(document)
 
 
@@ -87,6 +97,10 @@ def layout_result_to_dict(result: LayoutResult, experts: bool = False) -> dict[s
     document = {**dataclasses.asdict(result.layout), "peak_memory_bytes": result.peak_memory_bytes,
                 "peak_memory_gib": result.peak_memory_bytes / GIB, "iteration_seconds": t.seconds,
                 "tflops_per_gpu": t.tflops_per_gpu, "hfu": t.hfu, "mfu": t.mfu}
+    if result.layout.context_parallel_size > 1:
+        document["context_all_to_all"] = t.context_all_to_all
+    else:
+        document = _without_keys(document, CONTEXT_KEYS)
     if experts:
         return {**document, "expert_all_to_all": t.expert_all_to_all}
     return _without_expert_keys(document)
@@ -284,7 +298,8 @@ def format_time(plan: Plan) -> str:
                                                       for t in columns),
              f"  {'bubble / compute':<30}" + "".join(f"{t.bubble_fraction:>20.3f}" for t in columns)]
     experts = plan.experts is not None
-    for name in TIME_ROWS + (("expert_all_to_all",) if experts else ()):
+    ulysses = plan.context_parallel_size > 1
+    for name in TIME_ROWS + (("expert_all_to_all",) if experts else ()) + (("context_all_to_all",) if ulysses else ()):
         lines.append(f"  {name.replace('_', ' '):<30}" + "".join(
             f"{getattr(t, name):>11.3f} ({getattr(t, name) / t.seconds:>5.1%})" for t in columns))
     lines.append(f"  {'total':<30}" + "".join(f"{t.seconds:>20.3f}" for t in columns))
@@ -294,6 +309,7 @@ def format_time(plan: Plan) -> str:
     lines.append(f"  {mfu:<30}" + "".join(f"{t.mfu:>20.1%}" for t in columns))
     slot = plan.full_batch.micro_batch
     all_to_all = f", all-to-all {slot.expert_all_to_all * 1e3:.1f}" if experts else ""
+    all_to_all += f", Ulysses all-to-all {slot.context_all_to_all * 1e3:.1f}" if ulysses else ""
     lines.append(f"  slowest {'rank' if plan.schedule == 'dualpipev' else 'stage'} {slot.stage}: "
                  f"{slot.total * 1e3:.1f} ms per micro-batch slot (compute "
                  f"{slot.compute * 1e3:.1f}, TP {slot.tensor_parallel * 1e3:.1f}, p2p {slot.pipeline_p2p * 1e3:.1f}, "
@@ -318,7 +334,8 @@ def format_experts(plan: Plan) -> str:
 def format_plan(plan: Plan) -> str:
     d = plan.data_parallel_size
     head = f"== {plan.nodes} nodes: {plan.gpus} GPUs = TP {plan.tensor_parallel_size} x PP " \
-           f"{plan.pipeline_parallel_size} x DP {d if d is not None else '?'} =="
+           f"{plan.pipeline_parallel_size} x DP {d if d is not None else '?'}" \
+           + (f" x CP {plan.context_parallel_size}" if plan.context_parallel_size > 1 else "") + " =="
     lines = [head] + [_wrap(f"warning: {w}", "  ") for w in plan.warnings] + \
         [_wrap(f"ERROR: {e}", "  ") for e in plan.errors]
     if plan.memory:
@@ -383,12 +400,15 @@ def format_comparison(plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def _layout_row(rank: int | str, result: LayoutResult, experts: bool = False) -> str:
-    """One ranked layout; ``experts`` (a Mixture-of-Experts model) adds EP and the all-to-all's share."""
+def _layout_row(rank: int | str, result: LayoutResult, experts: bool = False, ulysses: bool = False) -> str:
+    """One ranked layout; ``experts`` (a Mixture-of-Experts model) adds EP and the all-to-all's share, ``ulysses``
+    (some layout at CP > 1) CP and the share of its all-to-alls."""
     layout, t = result.layout, result.full_batch
     layers = "-" if layout.recompute == "none" else layout.recompute_num_layers or "all"
     ep = f" {layout.expert_parallel_size:>3}" if experts else ""
+    ep += f" {layout.context_parallel_size:>3}" if ulysses else ""
     share = f" {t.expert_all_to_all / t.seconds:>6.1%}" if experts else ""
+    share += f" {t.context_all_to_all / t.seconds:>6.1%}" if ulysses else ""
     return (f"{rank:>4} {layout.tensor_parallel_size:>3} {layout.pipeline_parallel_size:>4} "
             f"{layout.data_parallel_size:>5}{ep} {layout.micro_batch_size:>6} "
             f"{'on' if layout.sequence_parallel else 'off':>4} "
@@ -402,7 +422,10 @@ def describe_layout(result: LayoutResult, experts: bool = False) -> str:
     blocks = "all" if layout.recompute_num_layers is None else str(layout.recompute_num_layers)
     recompute = layout.recompute if layout.recompute == "none" else f"{layout.recompute} on {blocks} blocks per stage"
     ep = f" (EP {layout.expert_parallel_size})" if experts else ""
+    ep += f" x CP {layout.context_parallel_size}" if layout.context_parallel_size > 1 else ""
     all_to_all = f", all-to-all {t.expert_all_to_all / t.seconds:.1%} of it" if experts else ""
+    if layout.context_parallel_size > 1:
+        all_to_all += f", Ulysses all-to-all {t.context_all_to_all / t.seconds:.1%} of it"
     mfu = "MFU on active FLOPs" if experts else "MFU"
     return (f"TP {layout.tensor_parallel_size} x PP {layout.pipeline_parallel_size} x DP {layout.data_parallel_size}"
             f"{ep}, micro-batch {layout.micro_batch_size}, sequence parallelism "
@@ -422,6 +445,8 @@ def layout_settings(layout: Layout, experts: bool = False) -> str:
         settings["model.recompute_num_layers"] = layout.recompute_num_layers
     if experts:
         settings["parallelism.expert_parallel_size"] = layout.expert_parallel_size
+    if layout.context_parallel_size > 1:
+        settings["parallelism.context_parallel_size"] = layout.context_parallel_size
     return " ".join(set_option(path, value) for path, value in settings.items())
 
 
@@ -434,10 +459,13 @@ def format_search(config: RunConfig, nodes: int, hardware: Hardware, tried: int,
     if not results:
         return "\n".join(lines + ["no layout fits"])
     experts = config.model.moe is not None  # EP and the all-to-all's share of the iteration as columns
+    ulysses = any(r.layout.context_parallel_size > 1 for r in results[:top])  # CP and its all-to-alls' share
     lines.append(f"{'rank':>4} {'TP':>3} {'PP':>4} {'DP':>5}" + (f" {'EP':>3}" if experts else "")
+                 + (f" {'CP':>3}" if ulysses else "")
                  + f" {'micro':>6} {'SP':>4} {'recompute':>10} {'n layers':>9} {'schedule':>10} {'peak GiB':>9} "
-                 f"{'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}" + (f" {'a2a':>6}" if experts else ""))
-    lines += [_layout_row(rank, r, experts) for rank, r in enumerate(results[:top], start=1)]
+                 f"{'iter s':>8} {'TFLOP/s':>8} {'MFU':>6}" + (f" {'a2a':>6}" if experts else "")
+                 + (f" {'cp a2a':>6}" if ulysses else ""))
+    lines += [_layout_row(rank, r, experts, ulysses) for rank, r in enumerate(results[:top], start=1)]
     lines += ["", _wrap(f"best: {describe_layout(results[0], experts)}. As settings: "
                         f"{layout_settings(results[0].layout, experts)}")]
     return "\n".join(lines)

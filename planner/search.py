@@ -9,7 +9,10 @@ Search (``search_layouts``, tools/plan.py --search, one node count)
     "dualpipev" where PP >= 2, each rank holds at least 2 blocks and the full batch gives at least 2 PP
     micro-batches per pipeline. A Mixture-of-Experts model (model.moe): TP also dividing the experts' widths, and
     every such layout at each expert-parallel size EP dividing both the experts and DP (planner.experts,
-    expert_parallel_choices); a dense model's layouts are EP 1, as before. The layouts that fit are ranked by their
+    expert_parallel_choices); a dense model's layouts are EP 1, as before. Ulysses context parallelism CP in 1, 2,
+    4, ... dividing the heads and key/value heads of a TP rank and the sequence (x TP with SP), with TP x CP within a
+    node (Ulysses' all-to-alls on NVLink) and TP x PP x CP dividing the GPUs, under 1F1B and at EP 1: each layout at
+    every such CP, DP what is left. The layouts that fit are ranked by their
     predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
 """
 
@@ -42,6 +45,8 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     expert_parallel_size: int = 1
     """A Mixture-of-Experts model's EP (1 for a dense model; then absent from --json)."""
+    context_parallel_size: int = 1
+    """Ulysses context parallelism (parallelism.context_parallel_size; absent from --json at 1)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ def layout_config(config: RunConfig, layout: Layout) -> RunConfig:
                                       pipeline_parallel_size=layout.pipeline_parallel_size,
                                       sequence_parallel=layout.sequence_parallel,
                                       pipeline_schedule=layout.pipeline_schedule,
-                                      expert_parallel_size=layout.expert_parallel_size)
+                                      expert_parallel_size=layout.expert_parallel_size,
+                                      context_parallel_size=layout.context_parallel_size)
     deepspeed = {**config.deepspeed, "train_micro_batch_size_per_gpu": layout.micro_batch_size}
     return dataclasses.replace(config, model=model, parallelism=parallelism, deepspeed=deepspeed)
 
@@ -90,19 +96,31 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
             continue
         if any(width % tp for width in widths):
             continue
-        for pp in (p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0 and gpus % (tp * p) == 0):
-            dp = gpus // (tp * pp)
+        for pp, cp in ((p, c) for p in range(1, model.num_layers + 1) for c in context_parallel_choices(model, tp, gpus_per_node // tp)
+                       if model.num_layers % p == 0 and gpus % (tp * p * c) == 0):
+            dp = gpus // (tp * pp * cp)
             for micro_batch in (m for m in (1, 2, 4, 8) if batch % (m * dp) == 0):
-                for sequence_parallel in (False, True) if tp > 1 and model.seq_length % tp == 0 else (False,):
+                for sequence_parallel in (False, True) if tp > 1 and model.seq_length % (tp * cp) == 0 else (False,):
                     modes = [("none", None)] + [(mode, n) for mode in ("selective", "full")
                                                 for n in recompute_layer_choices(model.num_layers // pp)]
                     schedules = ["1f1b"]
-                    if pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp:
+                    if pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp and cp == 1:
                         schedules.append("dualpipev")
-                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule, ep)
-                                for ep in expert_parallel_choices(model, dp)
+                    layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule, ep, cp)
+                                for ep in (expert_parallel_choices(model, dp) if cp == 1 else [1])
                                 for schedule in schedules for mode, n in modes]
     return layouts
+
+
+def context_parallel_choices(model, tensor_parallel_size: int, largest: int) -> list[int]:
+    """CP sizes up to ``largest`` that Ulysses can split this model into at this TP (model/config.py,
+    _check_context_parallel): powers of 2 dividing the heads and key/value heads of a TP rank, and the sequence."""
+    heads, groups = model.num_attention_heads // tensor_parallel_size, model.num_key_value_heads // tensor_parallel_size
+    choices, cp = [], 1
+    while cp <= min(groups, largest) and heads % cp == 0 and groups % cp == 0 and model.seq_length % cp == 0:
+        choices.append(cp)
+        cp *= 2
+    return choices
 
 
 def _distinct_stages(counts: list[StageCount]) -> list[StageCount]:

@@ -73,7 +73,7 @@ from planner.experts import (
     expert_group_spans_nodes,
     expert_parameters_of,
 )
-from planner.hardware import Assumptions, DeepSpeedLayout, Hardware
+from planner.hardware import DTYPE_BYTES, Assumptions, DeepSpeedLayout, Hardware
 from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
 from planner.pipeline_schedule import pipeline_bubble
 from training.config import RunConfig
@@ -103,10 +103,14 @@ class Rates:
     hbm_bytes_per_s: float
     expert_parallel_bytes_per_s: float = 0.0
     """The MoE all-to-all's: NVLink, InfiniBand if an EP group spans nodes (planner.experts)."""
+    context_parallel_bytes_per_s: float = 0.0
+    """Ulysses' all-to-alls: NVLink if a CP group fits in a node (TP x CP <= GPUs per node: CP peers are TP apart)."""
 
 
 def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_parallel_size: int,
-                    pipeline_parallel_size: int, data_parallel_size: int, expert_parallel_size: int = 1) -> Rates:
+                    pipeline_parallel_size: int, data_parallel_size: int, expert_parallel_size: int = 1,
+                    context_parallel_size: int = 1) -> Rates:
+    """``data_parallel_size``: DeepSpeed's data axis (DP x CP), whose groups the gradients are reduced over."""
     nvlink = hardware.nvlink_gbytes_per_s / 2 * 1e9 * assumptions.comm_efficiency
     infiniband = hardware.ib_gbits_per_s / 8 * 1e9 * assumptions.comm_efficiency
     node = hardware.gpus_per_node
@@ -120,7 +124,8 @@ def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_paralle
                  data_parallel_bytes_per_s=link(tp * dp),
                  hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency,
                  expert_parallel_bytes_per_s=infiniband if expert_group_spans_nodes(
-                     tp, pipeline_parallel_size, dp, expert_parallel_size, node) else nvlink)
+                     tp, pipeline_parallel_size, dp, expert_parallel_size, node) else nvlink,
+                 context_parallel_bytes_per_s=link(tp * context_parallel_size))
 
 
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
@@ -156,11 +161,13 @@ class MicroBatchTime:
     gradient_accumulation: float
     expert_all_to_all: float = 0.0
     """A Mixture-of-Experts model's dispatch and combine over the EP group (planner.experts); 0 for a dense one."""
+    context_all_to_all: float = 0.0
+    """Ulysses' all-to-alls over the CP group (context_all_to_all_bytes); 0 at CP 1."""
     total: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total", self.compute + self.tensor_parallel + self.pipeline_p2p
-                           + self.gradient_accumulation + self.expert_all_to_all)
+                           + self.gradient_accumulation + self.expert_all_to_all + self.context_all_to_all)
 
 
 def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_parallel: bool,
@@ -175,11 +182,31 @@ def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_
     return 4.0 * blocks + 2.0 * rerun + regather + (count.stage == 0) + holds_head(count)
 
 
+def context_all_to_all_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int,
+                             context_parallel_size: int) -> float:
+    """What one block's Ulysses all-to-alls send per GPU in one forward: q, k and v (the QKV rows, q_rows / t) out and
+    the attention output (a / t) back, e (s / CP) b per row, each keeping 1 / CP of it home: (CP - 1) / CP. The
+    backward sends the gradients the same way."""
+    cp = context_parallel_size
+    if cp <= 1:
+        return 0.0
+    rows = (model.qkv_size + model.attention_size) / tensor_parallel_size
+    return DTYPE_BYTES[model.precision] * model.seq_length / cp * micro_batch * rows * (cp - 1) / cp
+
+
+def context_all_to_alls(model: ModelConfig, count: StageCount, pipeline_parallel_size: int | None) -> int:
+    """Forwards' worth of Ulysses all-to-alls per micro-batch on this stage: 2 per block (forward and backward), 3
+    for a fully recomputed block (its forward runs again; selective recomputation reruns the core between them)."""
+    rerun = recomputing_blocks(model, count, "full", pipeline_parallel_size) if model.recompute == "full" else 0
+    return 2 * transformer_layers(count) + rerun
+
+
 def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, rates: Rates) -> MicroBatchTime:
     model, b = config.model, config.micro_batch_size
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    cp = config.parallelism.context_parallel_size
     sequence_parallel = config.parallelism.sequence_parallel and tp > 1
-    hidden_tensor = hidden_tensor_bytes(model, b)
+    hidden_tensor = hidden_tensor_bytes(model, b, cp)
     all_reduces = tensor_parallel_all_reduces(model, count, sequence_parallel, pp)
     # per micro-batch, each stage boundary of the rank receives and sends an activation and a gradient; a DualPipeV
     # rank has both of its stages' boundaries (the last rank turns micro-batches around without a transfer)
@@ -193,12 +220,14 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
     accumulation_bytes = 12 * count.parameters_per_tp_rank if layout.optimizer == "BF16_Optimizer" else 0
     return MicroBatchTime(
         stage=count.stage,
-        compute=stage_flops_per_micro_batch(model, count, b, tp, pipeline_parallel_size=pp) / rates.flops_per_s,
+        compute=stage_flops_per_micro_batch(model, count, b, tp, pipeline_parallel_size=pp) / cp / rates.flops_per_s,
         tensor_parallel=all_reduces * ring_all_reduce_seconds(hidden_tensor, tp, rates.tensor_parallel_bytes_per_s),
         pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
         gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s,
         expert_all_to_all=all_to_alls_per_micro_batch(model, count, pp) * all_to_all_seconds(
-            model, b, config.parallelism.expert_parallel_size, rates))
+            model, b, config.parallelism.expert_parallel_size, rates),
+        context_all_to_all=context_all_to_alls(model, count, pp) * context_all_to_all_bytes(model, b, tp, cp)
+        / (rates.context_parallel_bytes_per_s or 1.0))
 
 
 def all_to_all_seconds(model: ModelConfig, micro_batch: int, expert_parallel_size: int, rates: Rates) -> float:
@@ -246,6 +275,8 @@ class IterationTime:
     Mixture-of-Experts model on the active parameters' FLOPs (model/flops.py), as Megatron-LM counts it."""
     expert_all_to_all: float = 0.0
     """m slots of the slowest stage's MoE all-to-all (planner.experts); 0 for a dense model."""
+    context_all_to_all: float = 0.0
+    """m slots of the slowest stage's Ulysses all-to-alls; 0 at CP 1."""
 
 
 @dataclass(frozen=True)
@@ -327,13 +358,14 @@ def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[Stag
     from model.pipe_schedules import schedule_for  # imports DeepSpeed
 
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
+    cp = config.parallelism.context_parallel_size
     m = global_batch // (config.micro_batch_size * data_parallel_size)
     schedule = schedule_for(config.parallelism.pipeline_schedule, m, pp)
-    rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size,
-                            config.parallelism.expert_parallel_size)
+    rates = sustained_rates(hardware, assumptions, tp, pp, data_parallel_size * cp,
+                            config.parallelism.expert_parallel_size, cp)
     slowest_count, slowest = max(((c, micro_batch_time(config, layout, c, rates)) for c in counts),
                                  key=lambda pair: pair[1].total)
-    after = after_pipeline_time(config, layout, counts[0], data_parallel_size, rates)
+    after = after_pipeline_time(config, layout, counts[0], data_parallel_size * cp, rates)
     if schedule == "1f1b":
         bubble, bubble_fraction = (pp - 1) * slowest.total, (pp - 1) / m
     else:  # every rank costs the slowest one's slot, split into F and B, and over its two stages, by their FLOPs
@@ -348,10 +380,12 @@ def iteration_time(config: RunConfig, layout: DeepSpeedLayout, counts: list[Stag
                  bubble=bubble, **dataclasses.asdict(after))
     if config.model.moe is not None:
         parts["expert_all_to_all"] = m * slowest.expert_all_to_all
+    if cp > 1:
+        parts["context_all_to_all"] = m * slowest.context_all_to_all
     seconds = sum(parts.values())
     flops = flops_per_iteration(config.model, global_batch, tp, pipeline_parallel_size=pp)
     model_flops = model_flops_per_iteration(config.model, global_batch, tp)
-    gpus = tp * pp * data_parallel_size
+    gpus = tp * pp * data_parallel_size * cp
     achieved = tflops_per_gpu(flops, seconds, gpus)
     return IterationTime(global_batch=global_batch, micro_batches=m, schedule=schedule,
                          bubble_fraction=bubble_fraction, micro_batch=slowest, **parts, seconds=seconds, flops=flops,

@@ -112,13 +112,14 @@ def test_cli_search_finds_a_layout_at_least_as_fast_as_the_papers(capsys, parame
     """530B at 280 nodes: the best layout fits and is no slower than the paper's TP 8 x PP 35 with SP + selective."""
     status, out, err = run_cli(capsys, "--nodes", "280", "--search")
     assert status == 0 and err == ""
-    assert "720 layouts tried, 67 fit in 80 GiB" in out  # 576 under 1F1B (46 fit), 144 under DualPipeV
+    # at CP 1: 576 under 1F1B (46 fit), 144 under DualPipeV (67 fit in all); 840 at CP 2, 4 and 8 (TP x CP <= 8)
+    assert "1560 layouts tried, 95 fit in 80 GiB" in out
     best = next(line for line in out.splitlines() if line.startswith("   1 "))
     assert best.split()[1:4] == ["8", "35", "8"]
     status, out, _ = run_cli(capsys, "--nodes", "280", "--search", "--json", "--top", "5")
     report = json.loads(out)
     assert status == 0 and len(report["layouts"]) == 5 and report["best"] == report["layouts"][0]
-    assert report["layouts_tried"] == 720 and 0 < report["layouts_fitting"] < 720
+    assert report["layouts_tried"] == 1560 and 0 < report["layouts_fitting"] < 1560
     papers = plan_cluster(load_run_config(RECIPE, SELECTIVE_SP), 280, A100, DEFAULTS, parameters)
     assert report["best"]["peak_memory_bytes"] <= 80 * 2**30
     assert report["best"]["iteration_seconds"] <= papers.full_batch.seconds
@@ -134,6 +135,12 @@ def test_search_enumerates_the_documented_layouts(recipe):
     assert {(x.tensor_parallel_size, x.pipeline_parallel_size) for x in layouts} == \
         {(t, p) for t in (1, 2, 4, 8) for p in (7, 35)}
     assert all(1920 % (x.micro_batch_size * x.data_parallel_size) == 0 for x in layouts)
+    # Ulysses: CP dividing a TP rank's 128 / TP heads, its groups within a node, 1F1B only
+    ulysses = [x for x in layouts if x.context_parallel_size > 1]
+    assert {(x.tensor_parallel_size, x.context_parallel_size) for x in ulysses} == \
+        {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    assert all(x.pipeline_schedule == "1f1b" and x.tensor_parallel_size * x.pipeline_parallel_size
+               * x.context_parallel_size * x.data_parallel_size == 2240 for x in ulysses)
     assert not any(x.sequence_parallel for x in layouts if x.tensor_parallel_size == 1)
     at_paper = {(x.recompute, x.recompute_num_layers) for x in layouts
                 if (x.tensor_parallel_size, x.pipeline_parallel_size, x.micro_batch_size) == (8, 35, 1)}
@@ -160,7 +167,8 @@ def test_search_counts_each_parallel_split_once(recipe):
         return count_stages(recipe.model, tp, pp, pipeline_schedule=schedule)
 
     tried, results = search_layouts(recipe, 280, A100, DEFAULTS, counting)
-    assert len(calls) == len(set(calls)) == 8 + 4 and tried == 720  # (TP, PP) under 1F1B, and DualPipeV's
+    # (TP, PP) under 1F1B, and DualPipeV's: the same counts serve every CP
+    assert len(calls) == len(set(calls)) == 8 + 4 and tried == 1560
     assert results and all(r.fits for r in results)
 
 
