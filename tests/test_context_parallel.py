@@ -125,17 +125,17 @@ def test_context_parallelism_with_expert_parallelism_or_dualpipev_is_refused():
 # tests/launch.py's run: 2 layers, seq_length 32, micro-batch 2, the ramp 4 -> 8 -> 12 -> 16 over the first steps,
 # warmup and cosine, a checkpoint every 4 steps; here with eod_mask_loss, so that the slices' masks differ.
 CP_STEPS = 10
-EOD_MASK = ["data.eod_mask_loss=true"]
+EOD_MASK = ["data.eod_mask_loss=true", "training.eval_interval=5", "training.eval_iters=1"]  # and validation
 PP2 = ["parallelism.tensor_parallel_size=1", "parallelism.pipeline_parallel_size=2"]
 TP2_SP = ["parallelism.tensor_parallel_size=2", "parallelism.pipeline_parallel_size=1",
           "parallelism.sequence_parallel=true", "model.recompute=\"selective\""]
 CP2 = ["parallelism.context_parallel_size=2"]
 
 
-def _steps(save) -> list[dict]:
+def _steps(save, kind: str = "train") -> list[dict]:
     from training.metrics_log import read_metrics
 
-    return read_metrics(save / "metrics.jsonl")
+    return read_metrics(save / "metrics.jsonl", kind=kind)
 
 
 def _assert_parity(ours: list[dict], reference: list[dict], first_step: int = 1,
@@ -174,6 +174,10 @@ def test_training_at_cp_2_equals_cp_1_through_the_ramp(cp_runs, layout):
     reference, ours = _steps(cp_runs / layout), _steps(cp_runs / f"{layout}-cp2")
     assert sorted({r["global_batch"] for r in reference}) == [4, 8, 12, 16] and len(reference) == CP_STEPS
     _assert_parity(ours, reference)
+    validations = [_steps(cp_runs / name, "valid") for name in (layout, f"{layout}-cp2")]
+    assert [r["step"] for r in validations[0]] == [r["step"] for r in validations[1]] == [5, 10]
+    for mine, theirs in zip(validations[1], validations[0], strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=0)
 
 
 @pytest.mark.distributed

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "micro-batch, sequence parallelism, recompute; EP for a Mixture-of-Experts model) and rank "
                         "those that fit by iteration time")
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print (10)")
+    parser.add_argument("--context-parallel", metavar="CP,CP,...", help="at one node count, the config's layout at "
+                        "each of these Ulysses context-parallel sizes: its plan at the config's sequence length and "
+                        "the longest sequence that fits (planner/context.py), e.g. 1,2,4,8")
     for flag, name in HARDWARE_FLAGS.items():
         parser.add_argument(flag, type=float, dest=name, help=f"override the preset: {_field_help(Hardware, name)}")
     for flag, name in ASSUMPTION_FLAGS.items():
@@ -148,6 +151,21 @@ def search(args: argparse.Namespace, config, nodes: list[int], hardware: Hardwar
     return 0 if results else 1
 
 
+def context_parallel(args: argparse.Namespace, config, nodes: list[int], hardware: Hardware,
+                     assumptions: Assumptions) -> int:
+    from planner.context import context_parallel_rows, format_context_parallel
+
+    if len(nodes) != 1:
+        raise ValueError(f"--context-parallel takes one node count, got --nodes {args.nodes}")
+    rows = context_parallel_rows(config, nodes[0], hardware, assumptions,
+                                 parse_list("--context-parallel", args.context_parallel, int))
+    print(format_context_parallel(config, nodes[0], hardware, rows))
+    for row in rows:
+        for error in row.plan.errors[:1]:
+            print(f"error: CP {row.context_parallel_size}: {error}", file=sys.stderr)
+    return 0 if any(row.longest_sequence for row in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     deepspeed_logs_to_stderr()  # counting the stages imports DeepSpeed, whose logger writes to stdout
@@ -160,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                                   attention_scores=args.attention_scores)
         if args.search:
             return search(args, config, nodes, hardware, assumptions)
+        if args.context_parallel:
+            return context_parallel(args, config, nodes, hardware, assumptions)
         storage = Storage(**{name: getattr(args, name) for name in STORAGE_FLAGS.values()})
         parameters = count_parameters(config)
         plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds, storage)
