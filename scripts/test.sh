@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, set-up included, and its 15 slowest tests: bash scripts/test.sh [pytest arguments]
+# The whole test suite, set-up included, and its 30 slowest tests: bash scripts/test.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -7,6 +7,6 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 status=0
-python -m pytest tests --durations=15 "$@" || status=$?
+python -m pytest tests --durations=30 "$@" || status=$?
 echo "test suite wall time: $(( $(date +%s) - start )) s"
 exit $status

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,16 @@ def final_weights(save: Path) -> dict[str, dict[str, torch.Tensor]]:
     tag = (save / "latest").read_text()
     paths = sorted((save / tag).glob("layer_*.pt")) + sorted((save / tag).glob("experts_*.pt"))
     return {path.name: torch.load(path, weights_only=True) for path in paths}
+
+
+def resumable_copy(save: Path, destination: Path, step: int = 4) -> Path:
+    """A run's checkpoints up to ``step`` in ``destination``/checkpoints, ``latest`` naming it: what the run left had
+    it stopped there (its metrics and TensorBoard events not copied: the resumed run writes its own from there)."""
+    later = [p.name for p in save.glob("global_step*") if int(p.name.removeprefix("global_step")) > step]
+    copy = destination / "checkpoints"
+    shutil.copytree(save, copy, ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", *later))
+    (copy / "latest").write_text(f"global_step{step}")
+    return copy
 
 
 def same_weights(a: dict, b: dict) -> bool:

@@ -11,8 +11,6 @@ positions' outputs, and the sum over the CP group adds them in another order tha
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,19 +150,20 @@ def _assert_parity(ours: list[dict], reference: list[dict], first_step: int = 1,
 
 @pytest.fixture(scope="module")
 def cp_runs(corpus, tmp_path_factory):
-    from tests.launch import run_training
+    from tests.launch import resumable_copy, run_training
 
     root = tmp_path_factory.mktemp("context-parallel")
     runs = {"pp2": (PP2, 2), "pp2-cp2": (PP2 + CP2, 4), "tp2": (TP2_SP, 2), "tp2-cp2": (TP2_SP + CP2, 4)}
     for name, (layout, processes) in runs.items():
         run_training(corpus, root / name, max_steps=CP_STEPS, extra=EOD_MASK + layout, processes=processes)
-    # stopped after step 6 at CP 2; resumed at CP 2, and a copy resumed at CP 1 (PP 2 x DP 2 on the same 4 processes:
+    # the CP 2 run's checkpoint of step 4 resumed at CP 2, and at CP 1 (PP 2 x DP 2 on the same 4 processes:
     # DeepSpeed's data axis stays 2 ranks, the ZeRO-1 shards load as they are)
-    run_training(corpus, root / "stopped", max_steps=6, extra=EOD_MASK + PP2 + CP2, processes=4)
-    shutil.copytree(root / "stopped", root / "stopped-to-cp1")
-    run_training(corpus, root / "stopped", max_steps=CP_STEPS, extra=EOD_MASK + PP2 + CP2, processes=4)
-    result = run_training(corpus, root / "stopped-to-cp1", max_steps=CP_STEPS, extra=EOD_MASK + PP2, processes=4)
-    (root / "stopped-to-cp1" / "output.txt").write_text(result.stdout + result.stderr)
+    resumed = run_training(corpus, resumable_copy(root / "pp2-cp2", root / "resumed"), max_steps=CP_STEPS,
+                           extra=EOD_MASK + PP2 + CP2, processes=4)
+    to_cp1 = run_training(corpus, resumable_copy(root / "pp2-cp2", root / "to-cp1"), max_steps=CP_STEPS,
+                          extra=EOD_MASK + PP2, processes=4)
+    for name, result in (("resumed", resumed), ("to-cp1", to_cp1)):
+        (root / name / "output.txt").write_text(result.stdout + result.stderr)
     return root
 
 
@@ -184,12 +183,13 @@ def test_training_at_cp_2_equals_cp_1_through_the_ramp(cp_runs, layout):
 def test_cp_2_resumes_exactly_and_its_checkpoint_continues_at_cp_1(cp_runs):
     from tests.launch import final_weights, same_weights, trajectory
 
-    assert trajectory(cp_runs / "stopped") == trajectory(cp_runs / "pp2-cp2")  # bitwise: losses, lr, batch, tokens
-    assert same_weights(final_weights(cp_runs / "stopped"), final_weights(cp_runs / "pp2-cp2"))
-    continued = [r for r in _steps(cp_runs / "stopped-to-cp1") if r["step"] > 6]
-    assert "DP 0/2" in (cp_runs / "stopped-to-cp1" / "output.txt").read_text()
+    resumed, straight = cp_runs / "resumed" / "checkpoints", cp_runs / "pp2-cp2"
+    assert trajectory(resumed) == trajectory(straight)[4:]  # bitwise: losses, learning rates, batches, tokens
+    assert same_weights(final_weights(resumed), final_weights(straight))
+    continued = _steps(cp_runs / "to-cp1" / "checkpoints")
+    assert "DP 0/2" in (cp_runs / "to-cp1" / "output.txt").read_text()
     # the same global batches, in micro-batches of 2 replicas: half as many per replica
-    _assert_parity(continued, _steps(cp_runs / "pp2"), first_step=7,
+    _assert_parity(continued, _steps(cp_runs / "pp2"), first_step=5,
                    equal=("lr", "global_batch", "consumed_tokens", "consumed_samples"))
 
 

@@ -5,12 +5,10 @@ falls, a stop at step 4 resumed to step 8 is bitwise the uninterrupted run, a re
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from tests.launch import final_weights, run_training, same_weights, trajectory
+from tests.launch import final_weights, resumable_copy, run_training, same_weights, trajectory
 from training.metrics_log import read_metrics
 
 CONFIG = "ds_configs/llama-tiny-cpu.json"
@@ -23,13 +21,6 @@ def straight(corpus, tmp_path_factory):
     result = run_training(corpus, save, max_steps=8, extra=EXTRA, ds_config=CONFIG)
     return save, result.stdout + result.stderr
 
-
-def resumable_copy(straight_save, destination):
-    resumed = destination / "checkpoints"
-    shutil.copytree(straight_save, resumed,
-                    ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", "global_step8"))
-    (resumed / "latest").write_text("global_step4")
-    return resumed
 
 
 @pytest.mark.distributed

@@ -17,12 +17,11 @@ its 3D run); the block against transformers' and across EP, tests/test_moe.py's.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from tests.launch import final_weights, run_training, same_weights, trajectory
+from tests.launch import final_weights, resumable_copy, run_training, same_weights, trajectory
 from training.metrics_log import read_metrics
 
 CONFIG = "ds_configs/llama-tiny-cpu.json"
@@ -31,13 +30,6 @@ MOE = {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 64, "shared_expert_f
        "bias_update_rate": 0.01}
 EXTRA = ["training.save_interval=4", f"model.moe={json.dumps(MOE, separators=(',', ':'))}"]
 
-
-def resumable_copy(save, destination):
-    """The run's checkpoints to step 4 in ``destination``, ``latest`` naming global_step4."""
-    copy = destination / "checkpoints"
-    shutil.copytree(save, copy, ignore=shutil.ignore_patterns("tensorboard", "metrics.jsonl", "global_step8"))
-    (copy / "latest").write_text("global_step4")
-    return copy
 
 
 @pytest.fixture(scope="module")
