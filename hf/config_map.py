@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from hf.tables import ARCHITECTURES, Architecture, compatible_architectures, resolve_architecture
-from model.config import LLAMA3_SCALING_KEYS, ModelConfig, MoEConfig, set_option
+from model.config import SCALING_KEYS, YARN_OPTIONAL_KEYS, ModelConfig, MoEConfig, set_option
 
 ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -192,10 +192,10 @@ def _check_llama_family_options(path: Path, config, architecture: Architecture) 
                          f"sliding-window model (as {architecture.name} configs of Mistral 7B v0.1/v0.2 are) does not "
                          f"convert; only sliding_window null, or at least max_position_embeddings, does")
     kind = _hf_rope(config).get("rope_type", _hf_rope(config).get("type", "default"))
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", *SCALING_KEYS):
         raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported: only \"llama3\" scaling (Llama "
-                         f"3.1+) or none")
-    missing = [key for key in LLAMA3_SCALING_KEYS if kind == "llama3" and key not in _hf_rope(config)]
+                         f"3.1+), \"yarn\" (Qwen's long context) or none")
+    missing = [key for key in SCALING_KEYS.get(kind, ()) if key not in _hf_rope(config)]
     head_dim, default_head_dim = getattr(config, "head_dim", None), config.hidden_size // config.num_attention_heads
     attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
     unsupported = {
@@ -248,7 +248,8 @@ def model_fields_from_hf(config) -> dict[str, Any]:
                 "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False, "moe": None}
     rope = _hf_rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in LLAMA3_SCALING_KEYS}}
+    kept = SCALING_KEYS.get(kind, ()) + (YARN_OPTIONAL_KEYS if kind == "yarn" else ())
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: rope[k] for k in kept if rope.get(k) is not None}}
     if config.model_type == "qwen2":
         bias = "qkv"
     elif config.model_type == "qwen2_moe":

@@ -24,8 +24,11 @@ MLPS = ("gelu", "swiglu")
 BIASES = ("all", "none", "qkv")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION_BACKENDS = ("sdpa", "flex")
-ROPE_SCALING_TYPES = ("llama3",)
+ROPE_SCALING_TYPES = ("llama3", "yarn")
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_SCALING_KEYS = ("factor", "original_max_position_embeddings")  # required; optional: YARN_OPTIONAL_KEYS
+YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+SCALING_KEYS = {"llama3": LLAMA3_SCALING_KEYS, "yarn": YARN_SCALING_KEYS}
 ROUTERS = ("softmax", "sigmoid_bias")  # model.moe.router
 GPT2_VOCAB_SIZE = 50257
 
@@ -191,7 +194,10 @@ class ModelConfig:
     """RoPE base wavelength (Llama 2: 1e4, Llama 3: 5e5, Qwen2.5: 1e6). Only with position_embedding "rope"."""
     rope_scaling: dict[str, Any] | None = None
     """None, or Hugging Face's rope_scaling dict of type "llama3" (Llama 3.1+): {"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}. Other types are refused."""
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, or "yarn" (Qwen's long-context
+    setting; Peng et al. 2023): {"rope_type": "yarn", "factor", "original_max_position_embeddings"} and optionally
+    "beta_fast" (32), "beta_slow" (1), "mscale", "mscale_all_dim", "attention_factor", "truncate" (true), as
+    transformers reads them. Other types are refused."""
     norm: str = "layernorm"
     """"layernorm" (weight and bias) or "rmsnorm" (weight only); epsilon: layernorm_epsilon."""
     mlp: str = "gelu"
@@ -316,14 +322,18 @@ class ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         _require(kind in ROPE_SCALING_TYPES,
                  f"model.rope_scaling type {kind!r} is not supported: only {ROPE_SCALING_TYPES} (give "
-                 f"\"rope_type\": \"llama3\" with {list(LLAMA3_SCALING_KEYS)}), or null for plain RoPE")
-        missing = [key for key in LLAMA3_SCALING_KEYS if key not in scaling]
-        _require(not missing, f"model.rope_scaling of type \"llama3\" lacks {missing}: give all of "
-                              f"{list(LLAMA3_SCALING_KEYS)}")
-        for key in LLAMA3_SCALING_KEYS:
+                 f"\"rope_type\": \"llama3\" with {list(LLAMA3_SCALING_KEYS)}, or \"yarn\" with "
+                 f"{list(YARN_SCALING_KEYS)}), or null for plain RoPE")
+        required = SCALING_KEYS[kind]
+        missing = [key for key in required if key not in scaling]
+        _require(not missing, f"model.rope_scaling of type \"{kind}\" lacks {missing}: give all of {list(required)}")
+        numbers = [*required, *(key for key in YARN_OPTIONAL_KEYS[:-1] if kind == "yarn" and key in scaling)]
+        for key in numbers:
             value = scaling[key]
             _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                      f"model.rope_scaling.{key} must be a positive number, got {value!r}")
+        if kind == "yarn":
+            return
         _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
                  f"model.rope_scaling.high_freq_factor ({scaling['high_freq_factor']}) must be greater than "
                  f"low_freq_factor ({scaling['low_freq_factor']}): the llama3 rule interpolates between them")

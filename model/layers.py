@@ -286,6 +286,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
@@ -297,27 +299,66 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023), the operations of transformers' _compute_yarn_parameters: each dimension
+    interpolated (divided by ``factor``) or extrapolated (kept) by a linear ramp between the dimensions that turn
+    beta_fast and beta_slow times over the original context."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:
+        return (head_dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device=HOST) - low) / (high - low), 0, 1)
+    positions = theta ** (torch.arange(0, head_dim, 2, device=HOST).to(dtype=torch.float) / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * positions)) * (1 - extrapolation) + (1.0 / positions) * extrapolation
+
+
+def rope_attention_scaling(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by: 1, or YaRN's attention factor (given, or 0.1 ln(factor) + 1, with
+    mscale / mscale_all_dim as transformers reads them)."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(value: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]))
+    return mscale()
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,
-                 device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (s, d) of positions offset .. offset + s - 1 (a KV cache holds the first ``offset``), in fp32
-    then cast to ``dtype`` (transformers' order of operations).
+                 device: torch.device, offset: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (s, d) of positions offset .. offset + s - 1 (a KV cache holds the first ``offset``), in fp32,
+    times ``scale`` (rope_attention_scaling), then cast to ``dtype`` (transformers' order of operations).
 
     Frequencies are laid out [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}]: Hugging Face Llama's non-interleaved convention,
     whose partner of dimension i is i + d/2 (rotate_half), so Llama weights need no row permutation."""
     positions = torch.arange(offset, offset + seq_length, device=device, dtype=torch.float)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]  # (s, d/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (s, d)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def rope_cos_sin_at(inv_freq: torch.Tensor, position_ids: torch.Tensor,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (b, 1, s, d) at each sample's own positions ``position_ids`` (b, s): positions that restart at each
     document of a packed sample (data.reset_position_ids). The same operations as ``rope_cos_sin``, so positions
     0 .. s-1 give the same values."""
     freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (b, s, d/2)
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (b, 1, s, d): one rotation for every head
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -338,15 +379,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (d/2,) fp32
+        self.attention_scaling = rope_attention_scaling(scaling)  # 1, or YaRN's factor on cos and sin
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` (b, s): each token's position in its document (packed samples, training only);
         without, positions offset .. offset + s - 1."""
         if position_ids is not None:
-            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, q.dtype)  # each (b, 1, s, d)
-        else:
-            cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset)  # each (s, d)
+            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, q.dtype, self.attention_scaling)  # (b, 1, s, d)
+        else:  # each (s, d)
+            cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset, self.attention_scaling)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def extra_repr(self) -> str:

@@ -22,7 +22,7 @@ tokenizer beside it:
   or unexpected key, keeps its architecture and config, ships the carried tokenizer, and generate() runs.
 - The split/merge of the grouped QKV and gate_up on arange tensors at TP 1, 2; the layer indices against
   gpt_layer_specs (the untied head is layer L + 3).
-- A sliding window shorter than the context, and a rope_scaling other than llama3, are refused by name.
+- A sliding window shorter than the context, and a rope_scaling other than llama3 or yarn, are refused by name.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def _config_only(directory: Path, config) -> Path:
     ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0),
      r"sliding_window = 64 is shorter"),
     ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-     r"rope_scaling of type 'linear' is not supported: only \"llama3\""),
+     r"rope_scaling of type 'linear' is not supported: only \"llama3\" scaling \(Llama 3.1\+\), \"yarn\""),
     ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=False), r"attention_bias = True .* mlp_bias = False"),
 ])
 def test_unsupported_options_are_refused_by_name(name, overrides, message, tmp_path):

@@ -35,6 +35,7 @@ from model.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
+    rope_attention_scaling,
     rope_cos_sin,
     rope_inverse_frequencies,
     vocab_parallel_cross_entropy,
@@ -46,6 +47,10 @@ from tests.distributed import run_distributed
 B, S = 2, 6
 VOCAB = 100
 REPLICATED = "replicated"
+# YaRN as Qwen2.5 ships it for 128k (factor 4 over 32k), and with DeepSeek's mscale pair (attention factor != 1)
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+YARN_MSCALE = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 1024, "beta_fast": 16,
+               "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
 
@@ -204,10 +209,11 @@ def _hf_llama_config(config: ModelConfig, family: str = "llama"):
                rope_parameters={**rope, "rope_type": rope.get("rope_type", "default")})
 
 
-@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING, YARN_SCALING, YARN_MSCALE])
 def test_rope_frequencies_are_transformers(scaling):
     """head_dim 16, theta 5e5: wavelengths 6 .. 6e5 tokens, so the llama3 rule keeps the 4 shortest, interpolates
-    the 5th (4461, between 8192 / 4 and 8192) and divides the 3 longest by 8."""
+    the 5th (4461, between 8192 / 4 and 8192) and divides the 3 longest by 8. YaRN: the frequencies and the attention
+    factor on cos and sin bitwise transformers' (1 + 0.1 ln 4, or the mscale ratio)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -215,12 +221,18 @@ def test_rope_frequencies_are_transformers(scaling):
                           rope_scaling=scaling)
     hf_config = _hf_llama_config(config)
     if scaling is None:
-        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+        expected, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
     else:
-        expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config)
+        expected, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config)
     ours = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     assert ours.dtype == torch.float32 and torch.equal(ours, expected)
-    if scaling is not None:
+    assert rope_attention_scaling(config.rope_scaling) == factor
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        plain = rope_inverse_frequencies(config.head_dim, config.rope_theta)
+        assert factor > 1 and not torch.equal(ours, plain)
+        # the fastest dimension kept, the slowest interpolated (1 / (factor p): not bitwise (1 / p) / factor)
+        assert torch.equal(ours[0], plain[0]) and math.isclose(ours[-1], plain[-1] / scaling["factor"], rel_tol=1e-6)
+    if scaling is LLAMA3_SCALING:
         plain = rope_inverse_frequencies(config.head_dim, config.rope_theta)
         wavelengths = 2 * math.pi / plain
         assert torch.equal(ours[wavelengths < 2048], plain[wavelengths < 2048])
@@ -228,20 +240,21 @@ def test_rope_frequencies_are_transformers(scaling):
         assert ((wavelengths >= 2048) & (wavelengths <= 8192)).sum() == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_rotation_and_rms_norm_are_transformers(dtype):
+@pytest.mark.parametrize(("dtype", "scaling"), [(torch.float32, LLAMA3_SCALING), (torch.bfloat16, LLAMA3_SCALING),
+                                               (torch.float32, YARN_MSCALE), (torch.bfloat16, YARN_SCALING)])
+def test_rope_rotation_and_rms_norm_are_transformers(dtype, scaling):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    config = layer_config(rope_scaling=LLAMA3_SCALING)
+    config = layer_config(rope_scaling=scaling)
     hf_config = _hf_llama_config(config)
     q = _inputs(B, config.num_attention_heads, S, config.head_dim, seed=20).to(dtype)
     k = _inputs(B, config.num_key_value_heads, S, config.head_dim, seed=21).to(dtype)
     cos, sin = LlamaRotaryEmbedding(hf_config)(q, torch.arange(S).expand(B, S))  # (b, s, d)
-    ours_cos, ours_sin = rope_cos_sin(rope_inverse_frequencies(config.head_dim, config.rope_theta, LLAMA3_SCALING),
-                                      S, dtype, q.device)
+    ours_cos, ours_sin = rope_cos_sin(rope_inverse_frequencies(config.head_dim, config.rope_theta, scaling),
+                                      S, dtype, q.device, scale=rope_attention_scaling(scaling))
     assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
-    ours_q, ours_k = RotaryEmbedding(config.head_dim, config.rope_theta, LLAMA3_SCALING)(q, k)
+    ours_q, ours_k = RotaryEmbedding(config.head_dim, config.rope_theta, scaling)(q, k)
     assert torch.equal(ours_q, expected_q) and torch.equal(ours_k, expected_k)
     assert torch.equal(apply_rope(q, ours_cos, ours_sin), expected_q)
 
@@ -284,6 +297,7 @@ def to_hf_state_dict(model: GPT, config: ModelConfig) -> dict[str, torch.Tensor]
 @pytest.mark.parametrize("family, overrides", [
     ("llama", dict(bias="none", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),  # Llama 3.1: GQA, scaled RoPE
     ("qwen2", dict(bias="qkv", rope_theta=1e6, layernorm_epsilon=1e-6)),  # Qwen2: biases on q, k and v
+    ("qwen2", dict(bias="qkv", rope_theta=1e6, rope_scaling=YARN_SCALING)),  # Qwen2.5's long-context YaRN
 ])
 def test_tiny_llama_gives_the_logits_of_transformers(family, overrides):
     """llama-tiny's shape (8 query heads in 2 groups of 4, head_dim 16): the layouts of the fused QKV (per group)
@@ -417,3 +431,21 @@ def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
     if not config.tie_word_embeddings:
         assert kind("0.weight") == kind(f"{last}.weight") == uc.VOCABULARY_PARAMETER_PATTERNS
         assert f"{last}.weight" in names and info[uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS] == []
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3_SCALING, YARN_MSCALE])
+def test_rope_scaling_goes_out_to_hugging_face_and_back(tmp_path, scaling):
+    """The HF config written for a scaled model holds the scaling transformers reads (its RoPE gives ours), and
+    reading that config.json back gives the same model fields."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hf.config_map import hf_config, model_fields_from_hf, read_hf_config
+
+    config = preset("llama-tiny", num_layers=2, rope_theta=1e6, rope_scaling=scaling)
+    (tmp_path / "config.json").write_text(hf_config(config, torch.float32, end_of_text_id=2).to_json_string())
+    back = read_hf_config(tmp_path)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](back)
+    assert torch.equal(inv_freq, rope_inverse_frequencies(config.head_dim, 1e6, scaling))
+    assert factor == rope_attention_scaling(scaling)
+    fields = model_fields_from_hf(back)
+    assert fields["rope_scaling"] == scaling and fields["rope_theta"] == 1e6
