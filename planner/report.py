@@ -46,7 +46,7 @@ from planner.scaling import ComputeOptimal, compute_optimal
 from planner.search import Layout, LayoutResult
 from training.config import RunConfig
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Of both --json documents. A key renamed or removed, or a value whose meaning changes, bumps it and gets a line in
 docs/planning.md ("The --json schema"); a new key does not."""
 

@@ -216,5 +216,5 @@ def test_json_keeps_every_key_and_value(capsys, monkeypatch, name):
     monkeypatch.chdir(ROOT)
     status = plan_main([*JSON_RUNS[name], "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert status == 0 and report["schema_version"] == SCHEMA_VERSION == 2
+    assert status == 0 and report["schema_version"] == SCHEMA_VERSION == 3
     assert differences(json.loads((GOLDEN / name).read_text()), report) == []
