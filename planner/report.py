@@ -27,6 +27,9 @@ JSON (``tools/plan.py --json``): one object
     .ExpertStageCount); each plan's experts: ExpertFigures fields | null; expert_all_to_all (seconds) in
     first_batch, full_batch and their micro_batch; with --search, each layout's expert_parallel_size and
     expert_all_to_all (seconds of the full batch). mfu then counts the active parameters' FLOPs.
+    Ulysses context parallelism (CP > 1) adds, where it is in force (CONTEXT_KEYS): the plan's
+    context_parallel_size, context_all_to_all (seconds) in first_batch, full_batch and their micro_batch; each
+    searched layout's context_parallel_size and context_all_to_all. data_parallel_size counts the replicas (DP).
 """
 
 from __future__ import annotations
