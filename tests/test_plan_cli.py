@@ -218,3 +218,33 @@ def test_json_keeps_every_key_and_value(capsys, monkeypatch, name):
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["schema_version"] == SCHEMA_VERSION == 3
     assert differences(json.loads((GOLDEN / name).read_text()), report) == []
+
+
+# ------------------------------------------------------------------------------- long context: --context-parallel
+LLAMA3_8B_128K = ["model.preset=\"llama3-8b\"", "data.eod_token_id=128001", "model.seq_length=131072",
+                  "train_micro_batch_size_per_gpu=1", "train_batch_size=16", "schedule.batch={}",
+                  "parallelism.tensor_parallel_size=2", "parallelism.sequence_parallel=true",
+                  "parallelism.pipeline_parallel_size=1", "model.recompute=\"full\""]
+
+
+def test_context_parallel_table_finds_the_longest_sequence_each_cp_fits(capsys):
+    """Llama-3-8B at 128k on 4 H100 nodes: CP 1 does not fit, CP 2 and 4 do; the longest sequence that fits doubles
+    with CP (the weights' share is the same at every CP) and is the last multiple of the unit that fits."""
+    from planner.context import context_parallel_rows, with_sequence
+    from planner.memory import count_parameters
+
+    status, out, err = run_cli(capsys, "--ds_config", "ds_configs/1.3b.json", "--gpu", "h100-80gb", "--nodes", "4",
+                               *sets(LLAMA3_8B_128K), "--context-parallel", "1,2,4")
+    assert status == 0 and "error: CP 1: memory exceeded" in err
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [(row[0], row[1], row[3]) for row in rows] == [("1", "16", "no"), ("2", "8", "yes"), ("4", "4", "yes")]
+    config = load_run_config(ROOT / "ds_configs" / "1.3b.json", LLAMA3_8B_128K)
+    h100 = GPU_PRESETS["h100-80gb"]
+    found = context_parallel_rows(config, 4, h100, DEFAULTS, [1, 2])
+    assert [row.longest_sequence for row in found] == [92160, 184320]
+    assert [int(row[-4].replace(",", "")) for row in rows[:2]] == [92160, 184320]
+    parameters = count_parameters(config)  # RoPE: the same at every length
+    for row in found:
+        unit = 1024 * row.context_parallel_size * 2  # x TP with sequence parallelism
+        beyond = with_sequence(config, row.longest_sequence + unit, row.context_parallel_size)
+        assert row.longest_plan.ok and not plan_cluster(beyond, 4, h100, DEFAULTS, parameters).ok
