@@ -86,41 +86,42 @@ def test_moe_trains_logs_its_routers_and_resumes_exactly(corpus, straight, tmp_p
                                    msg=key)
 
 
-# TP 2 x PP 1 x DP 4, EP 2 on 8 processes: each EP rank's experts sharded over an expert-data-parallel group of 2
-# (data ranks {0, 2} and {1, 3}), the case where their ZeRO fragments are not in data-parallel order
-EXPERT_PARALLEL = [*EXTRA, "parallelism.pipeline_parallel_size=1", "train_micro_batch_size_per_gpu=1",
-                   "parallelism.expert_parallel_size=2"]
+# TP 1 x PP 1 x DP 4, EP 2 on 4 processes: each EP rank's experts sharded over an expert-data-parallel group of 2
+# (data ranks {0, 2} and {1, 3}), the case where their ZeRO fragments are not in data-parallel order (the experts'
+# TP slices at EP 2 are the first test's, reshaped into)
+EXPERT_PARALLEL = [*EXTRA, "parallelism.tensor_parallel_size=1", "parallelism.pipeline_parallel_size=1",
+                   "train_micro_batch_size_per_gpu=1", "parallelism.expert_parallel_size=2"]
 
 
 @pytest.mark.distributed
 def test_expert_parallel_checkpoints_resume_exactly_and_reshape_to_ep_1(corpus, tmp_path):
-    """At EP 2 (TP 2 x DP 4, 8 processes) each EP rank's experts are in files of their own, the layer files hold
+    """At EP 2 (TP 1 x DP 4, 4 processes) each EP rank's experts are in files of their own, the layer files hold
     none; a stop at step 4 resumed to step 8 is bitwise the uninterrupted run (experts and routers' bias included);
     resumed at EP 1, TP 1 x PP 2 x DP 2 through the universal checkpoint (the experts merged from their
     expert-data-parallel shards by training/universal_conversion.py) it continues the run to 1e-5."""
     save = tmp_path / "ep2" / "checkpoints"
-    run_training(corpus, save, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=8)
+    run_training(corpus, save, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=4)
     steps, records = trajectory(save), read_metrics(save / "metrics.jsonl")
     assert [step for step, *_ in steps] == list(range(1, 9))
     weights = final_weights(save)
     experts = sorted(name for name in weights if name.startswith("experts_"))
-    # layer 3 (the sparse block: the embedding is 0, the blocks 2 and 3), 2 TP ranks x 2 EP ranks
-    assert experts == [f"experts_03-model_{t:02d}-ep_{e:02d}.pt" for t in range(2) for e in range(2)]
+    # layer 3 (the sparse block: the embedding is 0, the blocks 2 and 3), 2 EP ranks
+    assert experts == [f"experts_03-model_00-ep_{e:02d}.pt" for e in range(2)]
     for name in experts:
         assert {key: tuple(value.shape) for key, value in weights[name].items()} == {
-            "mlp.block.experts.gate_up": (2, 64, 128), "mlp.block.experts.down": (2, 128, 32)}  # 4 / EP 2
+            "mlp.block.experts.gate_up": (2, 128, 128), "mlp.block.experts.down": (2, 128, 64)}  # 4 / EP 2
     assert not any("experts." in key for name, shard in weights.items() if name.startswith("layer_") for key in shard)
     assert not torch.equal(weights[experts[0]]["mlp.block.experts.down"], weights[experts[1]]["mlp.block.experts.down"])
 
     resumed = resumable_copy(save, tmp_path / "resumed")
-    run_training(corpus, resumed, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=8)
+    run_training(corpus, resumed, max_steps=8, extra=EXPERT_PARALLEL, ds_config=CONFIG, processes=4)
     assert trajectory(resumed) == steps[4:]
     assert same_weights(final_weights(resumed), weights)
 
-    reshaped = resumable_copy(save, tmp_path / "reshaped")  # TP 2 x PP 1 x DP 4, EP 2 -> TP 1 x PP 2 x DP 2, EP 1
+    reshaped = resumable_copy(save, tmp_path / "reshaped")  # TP 1 x PP 1 x DP 4, EP 2 -> TP 1 x PP 2 x DP 2, EP 1
     result = run_training(corpus, reshaped, max_steps=8, ds_config=CONFIG,
                           extra=[*EXTRA, "parallelism.tensor_parallel_size=1", "train_micro_batch_size_per_gpu=1"])
-    assert "written at TP 2 x PP 1 x DP 4 (EP 2); now TP 1 x PP 2 x DP 2" in result.stdout + result.stderr
+    assert "written at TP 1 x PP 1 x DP 4 (EP 2); now TP 1 x PP 2 x DP 2" in result.stdout + result.stderr
     again, theirs = read_metrics(reshaped / "metrics.jsonl"), records[4:]
     for key in ("lr", "global_batch", "consumed_samples"):
         assert [r[key] for r in again] == [r[key] for r in theirs], key
