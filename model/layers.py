@@ -315,8 +315,11 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tor
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device=HOST) - low) / (high - low), 0, 1)
-    positions = theta ** (torch.arange(0, head_dim, 2, device=HOST).to(dtype=torch.float) / head_dim)
+    # host: built once on the CPU as transformers computes them (bitwise its values); rope_cos_sin moves the result
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=HOST)  # host: as above
+    exponents = torch.arange(0, head_dim, 2, device=HOST)  # host: as above
+    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
+    positions = theta ** (exponents.to(dtype=torch.float) / head_dim)
     extrapolation = 1 - ramp
     return (1.0 / (factor * positions)) * (1 - extrapolation) + (1.0 / positions) * extrapolation
 
