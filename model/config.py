@@ -26,9 +26,8 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION_BACKENDS = ("sdpa", "flex")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-YARN_SCALING_KEYS = ("factor", "original_max_position_embeddings")  # required; optional: YARN_OPTIONAL_KEYS
 YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-SCALING_KEYS = {"llama3": LLAMA3_SCALING_KEYS, "yarn": YARN_SCALING_KEYS}
+SCALING_KEYS = {"llama3": LLAMA3_SCALING_KEYS, "yarn": ("factor", "original_max_position_embeddings")}  # required
 ROUTERS = ("softmax", "sigmoid_bias")  # model.moe.router
 GPT2_VOCAB_SIZE = 50257
 
@@ -323,7 +322,7 @@ class ModelConfig:
         _require(kind in ROPE_SCALING_TYPES,
                  f"model.rope_scaling type {kind!r} is not supported: only {ROPE_SCALING_TYPES} (give "
                  f"\"rope_type\": \"llama3\" with {list(LLAMA3_SCALING_KEYS)}, or \"yarn\" with "
-                 f"{list(YARN_SCALING_KEYS)}), or null for plain RoPE")
+                 f"{list(SCALING_KEYS['yarn'])}), or null for plain RoPE")
         required = SCALING_KEYS[kind]
         missing = [key for key in required if key not in scaling]
         _require(not missing, f"model.rope_scaling of type \"{kind}\" lacks {missing}: give all of {list(required)}")
@@ -332,11 +331,9 @@ class ModelConfig:
             value = scaling[key]
             _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                      f"model.rope_scaling.{key} must be a positive number, got {value!r}")
-        if kind == "yarn":
-            return
-        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
-                 f"model.rope_scaling.high_freq_factor ({scaling['high_freq_factor']}) must be greater than "
-                 f"low_freq_factor ({scaling['low_freq_factor']}): the llama3 rule interpolates between them")
+        _require(kind == "yarn" or scaling["high_freq_factor"] > scaling["low_freq_factor"],
+                 f"model.rope_scaling.high_freq_factor ({scaling.get('high_freq_factor')}) must be greater than "
+                 f"low_freq_factor ({scaling.get('low_freq_factor')}): the llama3 rule interpolates between them")
 
     @property
     def attention_size(self) -> int:
