@@ -283,11 +283,12 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
     """
     # host: built once, on the CPU as transformers computes it (bitwise its values); rope_cos_sin moves it
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=HOST).to(dtype=torch.float) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    powers = theta ** exponents
+    inv_freq = 1.0 / powers
     if scaling is None:
         return inv_freq
     if scaling.get("rope_type", scaling.get("type")) == "yarn":
-        return _yarn_inverse_frequencies(head_dim, theta, scaling)
+        return _yarn_inverse_frequencies(head_dim, theta, powers, scaling)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
@@ -299,7 +300,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None =
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+def _yarn_inverse_frequencies(head_dim: int, theta: float, powers: torch.Tensor, scaling: dict) -> torch.Tensor:
     """YaRN's frequencies (Peng et al. 2023), the operations of transformers' _compute_yarn_parameters: each dimension
     interpolated (divided by ``factor``) or extrapolated (kept) by a linear ramp between the dimensions that turn
     beta_fast and beta_slow times over the original context."""
@@ -315,13 +316,10 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tor
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    # host: built once on the CPU as transformers computes them (bitwise its values); rope_cos_sin moves the result
-    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=HOST)  # host: as above
-    exponents = torch.arange(0, head_dim, 2, device=HOST)  # host: as above
-    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
-    positions = theta ** (exponents.to(dtype=torch.float) / head_dim)
-    extrapolation = 1 - ramp
-    return (1.0 / (factor * positions)) * (1 - extrapolation) + (1.0 / positions) * extrapolation
+    # host: built once on the CPU as transformers computes it (bitwise its values); rope_cos_sin moves the result
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=HOST)
+    extrapolation = 1 - torch.clamp((dims - low) / (high - low), 0, 1)
+    return (1.0 / (factor * powers)) * (1 - extrapolation) + (1.0 / powers) * extrapolation
 
 
 def rope_attention_scaling(scaling: dict | None) -> float:

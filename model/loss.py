@@ -66,9 +66,8 @@ class GPTLoss:
         micro-batch's positions, and DeepSpeed averages the losses over DP x CP: the slices' target tokens summed
         over the CP group, / CP, make that average each micro-batch's mean over all its positions, whatever mask
         each slice holds."""
-        count = mask.sum()
+        count = mask.sum()  # a new tensor of data, no gradient: reduced in place
         if self.ctx.context_parallel_size > 1:
-            count = count.detach().clone()
             dist.all_reduce(count, group=self.ctx.context_parallel_group)
             return count.clamp(min=1.0) / self.ctx.context_parallel_size
         return count.clamp(min=1.0)
