@@ -476,19 +476,22 @@ class MoEMLP(nn.Module):
     statistics of the step.
 
     The objective of a micro-batch is its loss plus, for each sparse layer, aux_loss_coeff x aux + router_z_loss_coeff
-    x z. The pipeline engine scales the loss's gradient by 1 / micro-batches (DeepSpeed's gradient accumulation), so
-    the attached losses are scaled by 1 / ``micro_batches`` too, and by 1 / TP (MoEStats.loss_scale). The engine sets
-    ``micro_batches`` before each forward (training/engine.py): it changes during the batch ramp."""
+    x z. DeepSpeed's backward multiplies the loss by S / micro-batches (S: fp16's dynamic loss scale, 1 in bf16 and
+    fp32) and the optimizer divides every gradient by S, so the attached losses are scaled by ``loss_scale`` /
+    ``micro_batches`` too, and by 1 / TP (MoEStats.loss_scale): without S an fp16 run would balance its experts with
+    1/S of the asked-for weight (Megatron-LM's MoEAuxLossAutoScaler.set_loss_scale). The engine sets both before each
+    forward (training/engine.py): the batch ramp changes the micro-batches, an fp16 overflow the scale."""
 
     def __init__(self, block: MoEBlock) -> None:
         super().__init__()
         self.block = block
         self.micro_batches = 1
+        self.loss_scale = 1.0
         self._stats: StepStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, stats = self.block(x)
-        moe, scale = self.block.moe, stats.loss_scale / self.micro_batches
+        moe, scale = self.block.moe, stats.loss_scale * self.loss_scale / self.micro_batches
         loss = moe.aux_loss_coeff * stats.aux_loss + moe.router_z_loss_coeff * stats.z_loss
         if self.training and torch.is_grad_enabled():
             out = attach_loss(out, loss, scale)
@@ -518,9 +521,10 @@ def sparse_layers(module: nn.Module) -> list[tuple[int, MoEMLP]]:
     return sorted(found, key=lambda pair: pair[0])
 
 
-def set_micro_batches(layers: list[tuple[int, MoEMLP]], micro_batches: int) -> None:
+def set_gradient_scale(layers: list[tuple[int, MoEMLP]], micro_batches: int, loss_scale: float) -> None:
+    """What DeepSpeed's backward does to the loss of the coming micro-batch: x loss_scale / micro_batches."""
     for _, layer in layers:
-        layer.micro_batches = micro_batches
+        layer.micro_batches, layer.loss_scale = micro_batches, loss_scale
 
 
 def keep_router_biases_fp32(layers: list[tuple[int, MoEMLP]]) -> None:

@@ -121,13 +121,13 @@ def train_reference(config=None, z_loss: float = 0.0, step_loss=None, steps: int
     ``z_loss``: the objective's z-loss coefficient (model/loss.py). ``step_loss(model, objective, step)``: the loss
     of a step, by default the mean of the micro-batches of ``micro_batches``."""
     from model.loss import GPTLoss
-    from model.moe import set_micro_batches, sparse_layers
+    from model.moe import set_gradient_scale, sparse_layers
 
     torch.manual_seed(SEED)
     config = config or model_config()
     model = GPT(config, seed=SEED)
     objective = GPTLoss(model.ctx, z_loss)
-    set_micro_batches(sparse_layers(model), GLOBAL_BATCH // MICRO_BATCH)  # the attached losses are averaged as the loss
+    set_gradient_scale(sparse_layers(model), GLOBAL_BATCH // MICRO_BATCH, 1.0)  # the aux losses averaged as the loss
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
     for step in range(steps):

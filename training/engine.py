@@ -12,7 +12,7 @@ from common import deepspeed_internals as ds_internals
 from common.device import accelerator_device
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import build_pipeline_model
-from model.moe import keep_router_biases_fp32, set_micro_batches, sparse_layers
+from model.moe import keep_router_biases_fp32, set_gradient_scale, sparse_layers
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
@@ -95,10 +95,18 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         ds_internals.run_short_batches_as(engine, _dualpipev_or_vshape)
     sparse = sparse_layers(engine.module)
     keep_router_biases_fp32(sparse)
-    if sparse:  # the attached auxiliary losses follow the loss's 1 / micro-batches, which the batch ramp changes
-        ds_internals.run_before_instruction(engine, "ForwardPass",
-                                            lambda: set_micro_batches(sparse, engine.micro_batches))
+    if sparse:  # the attached auxiliary losses follow the loss's S / micro-batches (the ramp, fp16's overflows)
+        ds_internals.run_before_instruction(engine, "ForwardPass", lambda: set_gradient_scale(
+            sparse, engine.micro_batches, loss_scale_of(engine)))
     return engine, context
+
+
+def loss_scale_of(engine: Any) -> float:
+    """The factor DeepSpeed's backward multiplies the loss by and its optimizer divides the gradients by: fp16's
+    current loss scale (ZeRO's ``loss_scale``, the dynamic scaler's or one set by ``override_loss_scale``), 1 for
+    BF16_Optimizer, which has none. A host float: reading it syncs nothing."""
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    return 1.0 if scale is None else float(scale)
 
 
 def deepspeed_batch_size(samples: int, context: ParallelContext) -> int:

@@ -11,7 +11,9 @@ their experts (model/moe.py; nothing here for a dense model).
     moe_dropped_fraction the share of the assignments the capacity dropped (0 when dropless)
 
 With the "sigmoid_bias" router (DeepSeek-V3's aux-loss-free balancing) ``after_step`` also moves each router's bias
-by the step's counts of its layer, summed over every rank: one more SUM all-reduce, every step.
+by the step's counts of its layer, summed over every rank: one more SUM all-reduce, every step whose update was
+applied. A step the optimizer skipped (an fp16 overflow, a non-finite gradient, the spike guard; the same on every
+rank) leaves the bias as it was: its counts are dropped, as its weights' update is. They are still logged.
 
 Each layer counts its forwards as they run (MoEMLP, once per micro-batch, not again in a recompute); ``after_step``
 moves the counts of the step into this monitor's sums on the device, nothing read on the host; ``take``, at a logged
@@ -46,16 +48,17 @@ class MoEMonitor:
         self.bias_update_rate = config.moe.bias_update_rate if sigmoid else 0.0
         self._sums: torch.Tensor | None = None
 
-    def after_step(self) -> None:
-        """Add the step's counts of this stage's sparse layers to the sums (on the device; no communication), and
-        move the aux-loss-free routers' bias (collective: one SUM all-reduce of the step's counts, every rank)."""
+    def after_step(self, applied: bool = True) -> None:
+        """Add the step's counts of this stage's sparse layers to the sums (on the device; no communication), and,
+        when the step's update was ``applied``, move the aux-loss-free routers' bias (collective: one SUM all-reduce
+        of the step's counts, every rank)."""
         if not self.enabled:
             return
         if self._sums is None:
             self._sums = torch.zeros(self.num_layers, FIELDS + self.num_experts, dtype=torch.float64,
                                      device=accelerator_device())  # meets no module: the communication device
         steps = {layer_number: layer.take_stats() for layer_number, layer in self.layers}
-        if self.bias_update_rate:
+        if self.bias_update_rate and applied:
             self._update_biases(steps)
         for layer_number, stats in steps.items():
             if stats is None or self.ctx.tensor_parallel_rank != 0:

@@ -228,9 +228,10 @@ class Trainer:
         self.state.consumed_samples += batch
         self.state.consumed_tokens += batch * self.seq_length
         self.stability.after_step(self.state.step)  # collective on its steps: the attention-logit probe
-        self.moe.after_step()
+        skipped = self.engine.skipped_steps > skipped_before
+        self.moe.after_step(applied=not skipped)  # a skipped update leaves the routers' bias too
         self._count_spike(loss, ignore_spikes)
-        return loss, self.engine.skipped_steps > skipped_before
+        return loss, skipped
 
     def _announce_pipeline_schedule(self) -> None:
         """One line when the pipeline's instruction stream changes with the batch, and why (model/pipe_schedules.py)."""
