@@ -197,6 +197,12 @@ class BlendedDataset:
         masks = getattr(self.datasets[int(self.dataset_index[index])], "sample_loss_mask", None)
         return None if masks is None else masks(int(self.dataset_sample_index[index]))
 
+    def sample_documents(self, index: int) -> np.ndarray | None:
+        """Each token's document in ``self[index]``, from its dataset (GPTDataset.sample_documents); None when that
+        dataset cannot tell."""
+        documents = getattr(self.datasets[int(self.dataset_index[index])], "sample_documents", None)
+        return None if documents is None else documents(int(self.dataset_sample_index[index]))
+
 
 def load_or_build_blending_indices(weights: np.ndarray, num_samples: int, cache: IndexCache | None,
                                    dataset_keys: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -27,8 +27,12 @@ How the assistant tokens of a chat are found:
    template writes after its end-of-turn token, outside the turn: the same tokens as a ``{% generation %}`` block
    around the reply and its end-of-turn token). Conversational prompt/completion records use the same rule.
 
-With ``append_eod`` the end-of-document id is appended, a target when the record ends with a target (only
-whitespace after its last target token), or with ``all``.
+With ``append_eod`` the end-of-document id (the tokenizer's eos, unless told otherwise) is appended. It is no target
+(TRL's assistant mask counts the template's tokens only): it separates the records in the token stream, and training
+takes each packed sample's documents from the dataset's index, not from it (data/loader.py), so a template whose
+end-of-turn token is that same eos (Qwen's <|im_end|>, Llama 3's <|eot_id|>) stays whole. With ``eod_is_target`` it is
+a target when the record ends with a target (only whitespace after its last target token), or with ``all``: the model
+then learns to end a document after the last reply.
 A record without any target token is refused (counted by reason, not an error).
 """
 
@@ -151,10 +155,11 @@ class ChatEncoder:
     """Turns one parsed record into an :class:`Example`; raises :class:`Refused` or :class:`BadRecord`."""
 
     def __init__(self, tokenizer, template: str | None, loss_on: str = "assistant", append_eod: bool = False,
-                 eod_id: int | None = None) -> None:
+                 eod_id: int | None = None, eod_is_target: bool = False) -> None:
         if loss_on not in LOSS_ON:
             raise ValueError(f"loss_on {loss_on!r}: choose one of {', '.join(LOSS_ON)}")
         self.tokenizer, self.template, self.loss_on, self.append_eod = tokenizer, template, loss_on, append_eod
+        self.eod_is_target = eod_is_target
         self.eod_id = tokenizer.eos_token_id if eod_id is None else eod_id
         if append_eod and self.eod_id is None:
             raise ValueError("--append-eod: the tokenizer has no eos token")
@@ -183,7 +188,8 @@ class ChatEncoder:
         if self.loss_on == "all":
             mask = [1] * len(ids)
         if self.append_eod:
-            ids, mask = ids + [self.eod_id], mask + [int(self._ends_with_target(ids, mask))]
+            target = self.eod_is_target and (self.loss_on == "all" or self._ends_with_target(ids, mask))
+            ids, mask = ids + [self.eod_id], mask + [int(target)]
         if not ids:
             raise Refused("no tokens")
         if not any(mask):

@@ -49,6 +49,7 @@ class ChatPreprocessConfig(PreprocessConfig):
 
     chat_template: str | None = None  # "tokenizer" (its own), a Jinja file, or None (prompt/completion strings only)
     loss_on: str = "assistant"  # one of data.chat.LOSS_ON
+    eod_is_target: bool = False  # the appended end-of-document token a target after a target (else never: TRL's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +58,8 @@ class ChatPreprocessConfig(PreprocessConfig):
         if self.json_keys != ("text",):
             raise ValueError("--json-keys does not apply to chat data: records are read by their 'messages', or "
                              "'prompt' and 'completion', keys")
+        if self.eod_is_target and not self.append_eod:
+            raise ValueError("--eod-is-target says whether the token --append-eod adds is a target: add --append-eod")
         if self.shard is not None:
             raise ValueError("--shard is not supported with chat data yet: tokenise the whole input in one run")
 
@@ -153,7 +156,8 @@ def build_chat_encoder(config: ChatPreprocessConfig, tokenizer=None) -> tuple[Ch
         masks_from = "incremental rendering (the chat template has no {% generation %} blocks)"
     if config.loss_on == "all":
         masks_from = "--loss-on all (every token)"
-    return ChatEncoder(tokenizer, template, config.loss_on, config.append_eod), masks_from
+    return ChatEncoder(tokenizer, template, config.loss_on, config.append_eod,
+                       eod_is_target=config.eod_is_target), masks_from
 
 
 def preprocess_chat(config: ChatPreprocessConfig, tokenizer=None) -> ChatPreprocessReport:

@@ -260,6 +260,13 @@ class GPTDataset:
         dataset), or None without a mask dataset. A pure function of the index, as the tokens: resume stays exact."""
         return None if self.loss_mask is None else self._read(self.loss_mask.tokens, index)
 
+    def sample_documents(self, index: int) -> np.ndarray:
+        """(seq_length + 1,) int64: each token's document in ``dataset[index]``, 0 for the one the sample starts in,
+        +1 at every start of the next in the document index (data.document_boundaries "dataset")."""
+        lengths = np.array([end - start for start, end in self._spans(index)], dtype=np.int64)
+        lengths = lengths[lengths > 0]  # an empty document holds no token of the sample
+        return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+
 
 def build_gpt_datasets(data_path: str | Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
                        seed: int, cache_dir: str | None = None, cache_policy: IndexCachePolicy | None = None,

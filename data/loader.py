@@ -22,17 +22,29 @@ Each item is the tuple DeepSpeed's pipeline engine expects, read by the first st
 Context parallelism (CP > 1): the CP peers of a replica read the same samples, and each keeps its own seq_length / CP
 positions of tokens, position_ids (the global positions), labels and loss mask; segment_ids stay whole.
 
-Packed documents (Megatron-LM's reset_attention_mask and reset_position_ids, on the same end-of-document tokens): a
-document ends at its end-of-document token, and the next starts after it. With either flag the first stage's inputs
-gain the document of each token::
+Packed documents (Megatron-LM's reset_attention_mask and reset_position_ids). With either flag the first stage's
+inputs gain the document of each token::
 
     ((tokens, position_ids, segment_ids), (labels, loss_mask))
-    segment_ids: int64 (mb, seq_length), the number of end-of-document tokens before each position
-                 (reset_attention_mask; all 0 without: one document)
+    segment_ids: int64 (mb, seq_length), each token's document in its sample, 0, 1, ... (reset_attention_mask; all 0
+                 without: one document)
     position_ids: each token's position in its document (reset_position_ids; 0 .. s-1 without)
 
-and attention is block-diagonal causal (model/attention.py, document_mask): what Megatron-LM's
-_get_ltor_masks_and_position_ids gives on the same tokens.
+and attention is block-diagonal causal (model/attention.py, document_mask). Where the documents of a sample are
+(``document_boundaries``):
+
+    "dataset"    where the data says documents start, whatever their tokens: the pieces of a packed sample
+                 (data/packing.py; its padding one more document), the document index's cut of a concat sample
+                 (data/gpt_dataset.py), from ``dataset.sample_documents(i)``. A chat template whose end-of-turn
+                 token is the tokenizer's eos (Qwen's <|im_end|>, Llama 3's <|eot_id|>) keeps each conversation
+                 whole. The default.
+    "eod_token"  Megatron-LM's rule: a document ends at each end-of-document token, and the next starts after it
+                 (:func:`documents`; what Megatron-LM's _get_ltor_masks_and_position_ids gives on the same tokens),
+                 for corpora tokenised elsewhere. training/data.py refuses it on a dataset whose end token also
+                 occurs inside its documents.
+
+On a pretraining corpus with the end token appended to every document (tools/preprocess_data.py --append-eod) and
+nowhere else, both give the same documents. eod_mask_loss is Megatron-LM's token rule under either.
 """
 
 from __future__ import annotations
@@ -49,11 +61,14 @@ from data.indexed_dataset import IndexedDataset, check_vocab_size
 from data.packing import PackedDataset
 
 MicroBatch = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]  # inputs: 2 or 3 tensors
+DOCUMENT_BOUNDARIES = ("dataset", "eod_token")
 
 
 class SampleDataset(Protocol):
     """Anything with a length whose items are int64 arrays of seq_length + 1 tokens; it may also have
-    ``sample_loss_mask(index)``: None or (seq_length + 1,) 0/1 bits, one per token of ``dataset[index]``."""
+    ``sample_loss_mask(index)``: None or (seq_length + 1,) 0/1 bits, one per token of ``dataset[index]``, and
+    ``sample_documents(index)``: (seq_length + 1,) int64, each token's document in the sample (0, 1, ...; non-
+    decreasing), which document_boundaries "dataset" needs."""
 
     def __len__(self) -> int: ...
 
@@ -70,7 +85,7 @@ class MicroBatchLoader:
                  data_parallel_size: int, consumed_samples: int = 0, eod_mask_loss: bool = False,
                  eod_token_id: int | None = None, reset_attention_mask: bool = False,
                  reset_position_ids: bool = False, context_parallel_size: int = 1,
-                 context_parallel_rank: int = 0) -> None:
+                 context_parallel_rank: int = 0, document_boundaries: str = "dataset") -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
@@ -81,10 +96,20 @@ class MicroBatchLoader:
         if context_parallel_size < 1 or not 0 <= context_parallel_rank < context_parallel_size:
             raise ValueError(f"context_parallel_rank must be in [0, context_parallel_size); got rank "
                              f"{context_parallel_rank} of {context_parallel_size}")
-        for flag, name in ((eod_mask_loss, "eod_mask_loss"), (reset_attention_mask, "reset_attention_mask"),
-                           (reset_position_ids, "reset_position_ids")):
+        if document_boundaries not in DOCUMENT_BOUNDARIES:
+            raise ValueError(f"data.document_boundaries must be one of {DOCUMENT_BOUNDARIES}, got "
+                             f"{document_boundaries!r}")
+        by_token = document_boundaries == "eod_token"
+        for flag, name in ((eod_mask_loss, "eod_mask_loss"), (reset_attention_mask and by_token,
+                                                               "reset_attention_mask"),
+                           (reset_position_ids and by_token, "reset_position_ids")):
             if flag and eod_token_id is None:
                 raise ValueError(f"{name} needs eod_token_id (the tokenizer's end-of-document id)")
+        if (reset_attention_mask or reset_position_ids) and not by_token and not hasattr(dataset,
+                                                                                       "sample_documents"):
+            raise ValueError(f"data.document_boundaries \"dataset\" reads each sample's documents from the dataset, "
+                             f"and {type(dataset).__name__} has none (sample_documents): use a GPTDataset, "
+                             f"PackedDataset or BlendedDataset, or \"eod_token\" for Megatron-LM's end-token rule")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
@@ -94,6 +119,7 @@ class MicroBatchLoader:
         self.eod_token_id = eod_token_id
         self.reset_attention_mask, self.reset_position_ids = reset_attention_mask, reset_position_ids
         self.context_parallel_size, self.context_parallel_rank = context_parallel_size, context_parallel_rank
+        self.document_boundaries = document_boundaries
 
     @property
     def samples_per_micro_batch(self) -> int:
@@ -110,7 +136,8 @@ class MicroBatchLoader:
         indices = range(first, first + self.micro_batch_size)
         samples = np.stack([np.asarray(self.dataset[i], dtype=np.int64) for i in indices])  # (mb, seq_length + 1)
         self.consumed_samples += self.samples_per_micro_batch
-        return self._to_micro_batch(samples, self._sample_masks(indices, samples.shape))
+        return self._to_micro_batch(samples, self._sample_masks(indices, samples.shape),
+                                    self._sample_documents(indices, samples.shape))
 
     def _sample_masks(self, indices: range, shape: tuple[int, ...]) -> np.ndarray | None:
         """(mb, seq_length + 1) loss-mask bits of the samples, ones for a sample without; None when none has any."""
@@ -121,7 +148,19 @@ class MicroBatchLoader:
         return np.stack([np.ones(shape[1], dtype=np.uint8) if mask is None else np.asarray(mask, dtype=np.uint8)
                          for mask in bits])
 
-    def _to_micro_batch(self, samples: np.ndarray, sample_masks: np.ndarray | None = None) -> MicroBatch:
+    def _sample_documents(self, indices: range, shape: tuple[int, ...]) -> np.ndarray | None:
+        """(mb, seq_length + 1) each token's document, from the dataset; None when no flag needs them or the
+        end-token rule finds them."""
+        if not (self.reset_attention_mask or self.reset_position_ids) or self.document_boundaries == "eod_token":
+            return None
+        found = [self.dataset.sample_documents(i) for i in indices]
+        if any(ids is None or len(ids) != shape[1] for ids in found):
+            raise ValueError(f"{type(self.dataset).__name__}: samples {list(indices)} lack the documents of their "
+                             f"{shape[1]} tokens (sample_documents); use data.document_boundaries \"eod_token\"")
+        return np.stack([np.asarray(ids, dtype=np.int64) for ids in found])
+
+    def _to_micro_batch(self, samples: np.ndarray, sample_masks: np.ndarray | None = None,
+                        sample_documents: np.ndarray | None = None) -> MicroBatch:
         if samples.ndim != 2 or samples.shape[1] < 2:
             raise ValueError(f"samples must be (micro_batch, seq_length + 1) token ids, got shape {samples.shape}")
         batch = torch.from_numpy(samples)
@@ -138,7 +177,11 @@ class MicroBatchLoader:
             loss_mask[tokens == self.eod_token_id] = 0.0
         if not (self.reset_attention_mask or self.reset_position_ids):
             return self._context_slice((tokens, position_ids), (labels, loss_mask))
-        segment_ids, in_document = documents(tokens, self.eod_token_id)
+        if sample_documents is None:
+            segment_ids, in_document = documents(tokens, self.eod_token_id)
+        else:  # the documents of the inputs, sample[:-1]
+            segment_ids = torch.from_numpy(np.ascontiguousarray(sample_documents[:, :-1]))
+            in_document = positions_in_documents(segment_ids)
         return self._context_slice((tokens, in_document if self.reset_position_ids else position_ids),
                                    (labels, loss_mask),
                                    segment_ids if self.reset_attention_mask else torch.zeros_like(segment_ids))
@@ -177,6 +220,49 @@ def documents(tokens: torch.Tensor, eod_token_id: int) -> tuple[torch.Tensor, to
     next_start = torch.where(ends.bool(), index + 1, 0).cummax(dim=1).values  # after the last end token so far
     start = torch.cat([torch.zeros_like(next_start[:, :1]), next_start[:, :-1]], dim=1)  # ... strictly before
     return segment_ids, index - start
+
+
+_SCAN_TOKENS = 1 << 24  # tokens per chunk of the end-token scan
+
+
+def check_end_token_rule(indexed: IndexedDataset, eod_token_id: int) -> None:
+    """data.document_boundaries "eod_token" on this dataset: every document ends with the end-of-document token and
+    it occurs nowhere else, else the rule would cut documents apart or run them together (ValueError naming the file,
+    the first document and the fix). One pass over the tokens, in chunks."""
+    lengths = np.asarray(indexed.document_lengths(), dtype=np.int64)
+    last = (np.cumsum(lengths) - 1)[lengths > 0]  # the last token of every non-empty document, in order
+    tokens = indexed.tokens
+    missing = np.flatnonzero(np.asarray(tokens[last]) != eod_token_id) if len(last) else np.zeros(0, np.int64)
+    fix = "or use data.document_boundaries \"dataset\" (the default: the documents of the dataset's index)"
+    if len(missing):
+        document = int(np.flatnonzero(lengths > 0)[missing[0]])
+        raise ValueError(f"{indexed.bin_file}: {len(missing)} documents do not end with the end-of-document token "
+                         f"{eod_token_id} (the first: document {document}), and data.document_boundaries "
+                         f"\"eod_token\" tells documents apart by it: preprocess with tools/preprocess_data.py "
+                         f"--append-eod, set data.eod_token_id, {fix}")
+    inside = 0
+    first_inside = None
+    for start in range(0, indexed.num_tokens, _SCAN_TOKENS):
+        found = np.flatnonzero(np.asarray(tokens[start:start + _SCAN_TOKENS]) == eod_token_id) + start
+        ends = last[np.searchsorted(last, start):np.searchsorted(last, start + _SCAN_TOKENS)]
+        stray = found[~np.isin(found, ends, assume_unique=True)]
+        if len(stray) and first_inside is None:
+            first_inside = int(stray[0])
+        inside += len(stray)
+    if inside:
+        document = int(np.searchsorted(np.cumsum(lengths), first_inside, side="right"))
+        raise ValueError(f"{indexed.bin_file}: the end-of-document token {eod_token_id} occurs {inside} times inside "
+                         f"documents (the first in document {document}), and data.document_boundaries \"eod_token\" "
+                         f"would cut them there (a chat template whose end-of-turn token is the tokenizer's eos, as "
+                         f"Qwen's <|im_end|> or Llama 3's <|eot_id|>, cuts a conversation at every turn): {fix}")
+
+
+def positions_in_documents(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document, for (b, s) non-decreasing document ids: 0 where a document starts."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 Transfer = Callable[[MicroBatch], MicroBatch]

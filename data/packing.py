@@ -16,9 +16,12 @@ A document longer than a sample (data.packing_overflow) is "truncate"d to its fi
 default), "drop"ped, or "split" into pieces of seq_length + 1 tokens, each packed as a document of its own. Dropped
 and truncated documents are counted and reported.
 
-Documents must end with the end-of-document token (tools/preprocess_data.py --append-eod): it is what tells a packed
-sample's documents apart for data.reset_attention_mask and data.reset_position_ids, which packing is meant to be
-used with (without them the documents of a sample attend to each other). It is checked when the dataset opens.
+A sample's documents, for data.reset_attention_mask and data.reset_position_ids (which packing is meant to be used
+with, and turns on by default: without them the documents of a sample attend to each other), are its pieces
+(``sample_documents``), whatever tokens they hold; the padding is one more. The end-of-document token only pads (and
+ends each document where tools/preprocess_data.py --append-eod put it); under data.document_boundaries "eod_token"
+(Megatron-LM's rule) it is what tells the documents apart instead, and training/data.py checks that it ends every
+document and occurs nowhere else (data/loader.py check_end_token_rule).
 
 Epochs. The documents of the split are shuffled anew for every epoch (seed and epoch number), packed, and the packs
 of the epoch shuffled; epoch after epoch until there are as many samples as the run needs. Sample i is a pure
@@ -210,8 +213,8 @@ class PackedDataset:
     """Samples of seq_length + 1 tokens (int64), each whole documents of [begin, end) and end-token padding.
 
     The same interface as GPTDataset: ``len()``, ``dataset[i]``, ``sample_loss_mask(i)`` (the documents' bits, or
-    ones without a mask dataset, and 0 on the padding), plus ``pack_targets`` (each sample's target tokens) and
-    ``epoch_starts``."""
+    ones without a mask dataset, and 0 on the padding), ``sample_documents(i)`` (its pieces), plus ``pack_targets``
+    (each sample's target tokens) and ``epoch_starts``."""
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], seq_length: int, num_samples: int,
                  *, seed: int, packing: str, overflow: str, eod_token_id: int, cache: IndexCache | None = None,
@@ -226,7 +229,6 @@ class PackedDataset:
             raise ValueError(f"data.packing must be one of {PACKINGS}, got {packing!r}")
         self.indexed, self.loss_mask, self.eod_token_id = indexed, loss_mask, eod_token_id
         self.capacity = seq_length + 1
-        check_documents_end(indexed, document_range, eod_token_id)
         self.spec = PackIndexSpec(dataset_fingerprint(indexed) if cache else "", (begin, end), seq_length,
                                   num_samples, seed, packing, overflow, eod_token_id,
                                   file_crc32(loss_mask.bin_file) if cache and loss_mask is not None else -1)
@@ -275,6 +277,13 @@ class PackedDataset:
         """(seq_length + 1,) uint8: the bits of ``dataset[index]``'s tokens; 0 on the padding."""
         return self._bits(self._pieces(index))
 
+    def sample_documents(self, index: int) -> np.ndarray:
+        """(seq_length + 1,) int64: each token's piece in ``dataset[index]``, 0, 1, ..., and the padding one more
+        (data.document_boundaries "dataset": whatever tokens the documents hold)."""
+        lengths = self._pieces(index)[:, 2]
+        padding = self.capacity - int(lengths.sum())
+        return np.repeat(np.arange(len(lengths) + 1, dtype=np.int64), np.append(lengths, padding))
+
     def summary(self) -> str:
         """One line for the run's log: samples, epochs, fill and targets, what overflowed."""
         used = int(self.pieces[:, 2].sum())
@@ -283,20 +292,3 @@ class PackedDataset:
                 f"({len(self) / max(epochs, 1):.0f} per epoch), {100 * used / (len(self) * self.capacity):.1f}% "
                 f"tokens (the rest padding), {int(self.pack_targets.sum())} target tokens; per epoch "
                 f"{self.dropped} documents dropped, {self.cut} cut (data.packing_overflow)")
-
-
-def check_documents_end(indexed: IndexedDataset, document_range: tuple[int, int], eod_token_id: int) -> None:
-    """Every document of the range ends with the end-of-document token (ValueError naming the file and the fix)."""
-    begin, end = document_range
-    following = np.asarray(indexed.document_indices[begin + 1:end + 1], dtype=np.int64)  # first sequence after each
-    pointers = np.asarray(indexed.sequence_pointers, dtype=np.int64)
-    starts = np.where(following >= len(indexed), indexed.num_tokens * indexed.dtype.itemsize,
-                      pointers[np.minimum(following, len(indexed) - 1)]) // indexed.dtype.itemsize
-    last = np.asarray(indexed.tokens[np.maximum(starts - 1, 0)])
-    empty = np.asarray(indexed.document_lengths()[begin:end]) == 0  # nothing to end (and left out of the packs)
-    missing = np.flatnonzero((last != eod_token_id) & ~empty)
-    if len(missing):
-        raise ValueError(f"{indexed.bin_file}: {len(missing)} of documents [{begin}, {end}) do not end with the "
-                         f"end-of-document token {eod_token_id} (the first: document {begin + int(missing[0])}); "
-                         f"packing needs it to tell the documents of a sample apart: preprocess with "
-                         f"tools/preprocess_data.py --append-eod, or set data.eod_token_id")

@@ -115,9 +115,8 @@ def test_incremental_rendering_gives_the_generation_blocks_mask(tmp_path, tokeni
     for prefix_a, prefix_b in zip(a.outputs, b.outputs, strict=True):
         for suffix in (".bin", ".idx"):
             assert Path(prefix_a + suffix).read_bytes() == Path(prefix_b + suffix).read_bytes()
-    ids, mask = MaskedDocuments(a.outputs[0])[0]  # the eod follows an assistant turn: a target
-    assert ids[-1] == EOD and mask[-1] == 1 and tokenizer.decode(ids[mask == 1]) == (
-        "Paris.<|im_end|>Rome.<|im_end|><|endoftext|>")
+    ids, mask = MaskedDocuments(a.outputs[0])[0]  # the eod follows an assistant turn, and is no target (TRL's mask)
+    assert ids[-1] == EOD and mask[-1] == 0 and tokenizer.decode(ids[mask == 1]) == "Paris.<|im_end|>Rome.<|im_end|>"
 
 
 def test_a_template_that_is_not_prefix_stable_is_a_clear_error(tmp_path, tokenizer) -> None:
@@ -136,25 +135,29 @@ def test_a_template_that_is_not_prefix_stable_is_a_clear_error(tmp_path, tokeniz
     assert ChatEncoder(tokenizer, template("llama3_style"))({"messages": CONVERSATIONS[0]}).mask.count(1) > 0
 
 
-def test_prompt_completion_masks(tmp_path, tokenizer) -> None:
+@pytest.mark.parametrize("eod_is_target", [False, True])
+def test_prompt_completion_masks(tmp_path, tokenizer, eod_is_target) -> None:
+    """The appended end token is no target (TRL's mask), unless --eod-is-target: then it is after a final target."""
     records = [{"prompt": "Q: What is two plus two?\nA:", "completion": " Four."},
                {"prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello?"}],
                 "completion": [{"role": "assistant", "content": "Hello there."}]}]
     report, documents = run(tmp_path, tokenizer, records, chat_template=str(TEMPLATES / "qwen_style.jinja"),
-                            append_eod=True)
+                            append_eod=True, eod_is_target=eod_is_target)
     (ids, mask), (chat_ids, chat_mask) = documents
     prompt = tokenizer(records[0]["prompt"])["input_ids"]
+    end = "<|endoftext|>" if eod_is_target else ""
     assert ids.tolist() == tokenizer("Q: What is two plus two?\nA: Four.")["input_ids"] + [EOD]
-    assert mask.tolist() == [0] * len(prompt) + [1] * (ids.size - len(prompt))  # completion and eod
-    assert tokenizer.decode(ids[mask == 1]) == " Four.<|endoftext|>"
+    assert mask.tolist() == [0] * len(prompt) + [1] * (ids.size - len(prompt) - 1) + [int(eod_is_target)]
+    assert tokenizer.decode(ids[mask == 1]) == " Four." + end
     text = tokenizer.decode(chat_ids)
     assert text.endswith("<|im_start|>assistant\nHello there.<|im_end|>\n<|endoftext|>")
-    # the newline the template writes after <|im_end|> is not the reply's; the eod after it is a target
-    assert tokenizer.decode(chat_ids[chat_mask == 1]) == "Hello there.<|im_end|><|endoftext|>"
-    assert chat_mask[-2:].tolist() == [0, 1]
+    # the newline the template writes after <|im_end|> is not the reply's
+    assert tokenizer.decode(chat_ids[chat_mask == 1]) == "Hello there.<|im_end|>" + end
+    assert chat_mask[-2:].tolist() == [0, int(eod_is_target)]
     everything, documents = run(tmp_path, tokenizer, records, "all", chat_template=str(TEMPLATES / "qwen_style.jinja"),
-                                loss_on="all")
-    assert all(mask.all() for _, mask in documents) and everything.target_fraction == 1.0
+                                loss_on="all", append_eod=True, eod_is_target=eod_is_target)
+    assert all(mask[:-1].all() and mask[-1] == eod_is_target for _, mask in documents)
+    assert everything.target_fraction == (1.0 if eod_is_target else 1 - 2 / sum(len(m) for _, m in documents))
 
 
 def test_loss_on_completion_of_a_chat_is_its_last_reply(tmp_path, tokenizer) -> None:
@@ -257,7 +260,7 @@ def test_the_default_gpt2_tokenizer_renders_a_template_as_text(tmp_path, capsys)
     gpt2 = GPT2BPETokenizer()
     start = gpt2.encode("<|im_start|>system")  # text: the project's own GPT-2 ids
     assert ids[: len(start)].tolist() == start and len(start) == 8
-    assert gpt2.decode(ids[mask == 1].tolist()) == "Tokyo.<|im_end|>Nairobi.<|im_end|><|endoftext|>"
+    assert gpt2.decode(ids[mask == 1].tolist()) == "Tokyo.<|im_end|>Nairobi.<|im_end|>"  # the eod: no target
     assert gpt2.decode(ids.tolist()).endswith("<|im_start|>assistant\nNairobi.<|im_end|>\n<|endoftext|>")
 
 

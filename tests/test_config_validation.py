@@ -93,6 +93,7 @@ CASES = [
     ("training.save", None, WORLD, "training.save_interval is set but training.save (the checkpoint directory) is not"),
     ("training.max_consecutive_skips", 0, WORLD, "training.max_consecutive_skips must be >= 1"),
     ("training.fine_tune", True, WORLD, "training.fine_tune starts a new run on the weights of training.init_from, which is not set"),
+    ("data.document_boundaries", "eos", WORLD, "data.document_boundaries must be one of ('dataset', 'eod_token'), got 'eos'"),
     ("training.loss_normalization", "sequence", WORLD, "training.loss_normalization must be \"micro_batch\" or \"tokens\", got 'sequence'"),
     ("training.spike_guard", {"enabled": True, "ratio": 1.0}, WORLD, "training.spike_guard.ratio must be > 1"),
     ("training.spike_guard", {"min_increase_nats": -0.1}, WORLD, "training.spike_guard.min_increase_nats must be >= 0"),
@@ -187,6 +188,28 @@ def test_expert_parallelism_without_experts_is_refused():
             "parallelism.expert_parallel_size is 2 but model.moe is not set: expert parallelism splits the experts "
             "of a Mixture-of-Experts model; set it to 1, or give the experts in model.moe")):
         parse_run_config(changed("parallelism.expert_parallel_size", 2)).check_world(8)
+
+
+@pytest.mark.parametrize(("fine_tune", "explicit", "expected"), [
+    (True, None, ("tokens", "the default of training.fine_tune")),
+    (False, None, ("micro_batch", "the default without training.fine_tune")),
+    (True, "micro_batch", ("micro_batch", "as set")),
+])
+def test_fine_tuning_defaults_to_the_step_token_mean(fine_tune, explicit, expected):
+    """training.fine_tune defaults training.loss_normalization to "tokens" (TRL's num_items_in_batch); an explicit value
+    wins; the start-up line (training/data.py describe_layout) says which and why."""
+    from training.data import describe_layout
+
+    raw = changed("training.fine_tune", fine_tune, changed("training.init_from", "runs/pretrained"))
+    if explicit is not None:
+        raw["training"]["loss_normalization"] = explicit
+    config = parse_run_config(raw)
+    assert (config.training.loss_normalization, config.loss_normalization_origin) == expected
+    over = "the step's target tokens" if expected[0] == "tokens" else "each micro-batch's target tokens"
+    packing = "bfd" if fine_tune else "concat"
+    assert describe_layout(config).endswith(f"loss over {over} (training.loss_normalization \"{expected[0]}\", "
+                                            f"{expected[1]})")
+    assert describe_layout(config).startswith(f"data: packing {packing}, ")
 
 
 def test_there_are_at_least_30_cases():

@@ -73,7 +73,7 @@ def test_the_loader_yields_each_flag_alone() -> None:
     dataset = Packed(24)
 
     def first(**flags):
-        return next(MicroBatchLoader(dataset, 4, 0, 1, eod_token_id=EOD, **flags))[0]
+        return next(MicroBatchLoader(dataset, 4, 0, 1, eod_token_id=EOD, document_boundaries="eod_token", **flags))[0]
 
     tokens, plain_positions = first()
     segment_ids, positions = documents(tokens, EOD)
@@ -86,7 +86,10 @@ def test_the_loader_yields_each_flag_alone() -> None:
     assert torch.equal(positions_only[1], positions) and not positions_only[2].any()
     assert segment_ids[0].tolist() == [0] * 4 + [1] * 9 + [2] * 11 and positions[0, 4:14].tolist() == [*range(9), 0]
     with pytest.raises(ValueError, match="reset_attention_mask needs eod_token_id"):
-        MicroBatchLoader(dataset, 1, 0, 1, reset_attention_mask=True)
+        MicroBatchLoader(dataset, 1, 0, 1, reset_attention_mask=True, document_boundaries="eod_token")
+    with pytest.raises(ValueError, match=r"reads each sample's documents from the dataset, and Packed has none "
+                                         r"\(sample_documents\).*\"eod_token\" for Megatron-LM's end-token rule"):
+        MicroBatchLoader(dataset, 1, 0, 1, eod_token_id=EOD, reset_attention_mask=True)
 
 
 def document_by_document(model: GPT, tokens: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,8 @@ def test_packed_equals_each_document_alone(architecture) -> None:
     torch.manual_seed(0)
     model = GPT(config, seed=7)
     (tokens, positions, segment_ids), (labels, _) = next(MicroBatchLoader(
-        Packed(config.seq_length), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True))
+        Packed(config.seq_length), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True,
+        document_boundaries="eod_token"))
 
     def per_token_losses(logits):
         return F.cross_entropy(logits[..., :config.vocab_size].flatten(0, 1), labels.flatten(), reduction="none")
@@ -153,7 +157,8 @@ def test_flex_attention_computes_the_sdpa_reference(architecture) -> None:
     reference, flex = (GPT(preset("tiny", **fields, attention_backend=backend), seed=7).eval()
                        for backend in ("sdpa", "flex"))
     (tokens, positions, segment_ids), _ = next(MicroBatchLoader(
-        Packed(24), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True))
+        Packed(24), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True,
+        document_boundaries="eod_token"))
     with torch.no_grad():
         expected, found = reference(tokens, positions, segment_ids), flex(tokens, positions, segment_ids)
     vocab = reference.word_embeddings.vocab_size  # the padded rows are -inf in both

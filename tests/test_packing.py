@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from data.index_cache import IndexCache
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -143,16 +144,68 @@ def test_overflow_is_truncated_dropped_or_split(tmp_path) -> None:
     assert "per epoch 0 documents dropped, 2 cut" in truncated.summary()
 
 
-def test_documents_without_an_end_token_are_refused(tmp_path) -> None:
-    prefix = str(tmp_path / "plain")
+def write_documents(prefix: str, documents: list[list[int]]) -> IndexedDataset:
     with IndexedDatasetBuilder(prefix, np.uint16) as builder:
-        for number in range(3):
-            builder.add_item(np.arange(4) + number)
+        for tokens in documents:
+            builder.add_item(np.asarray(tokens))
             builder.end_document()
-    with pytest.raises(ValueError, match=r"plain.bin: 3 of documents \[0, 3\) do not end with the end-of-document "
-                                         r"token 50256 .*--append-eod"):
-        PackedDataset(IndexedDataset(prefix), (0, 3), 8, 1, seed=0, packing="bfd", overflow="truncate",
-                      eod_token_id=EOD)
+    return IndexedDataset(prefix)
+
+
+def test_documents_are_the_pieces_whatever_their_tokens(tmp_path) -> None:
+    """A packed sample's documents are its pieces (data.document_boundaries "dataset"): documents without an end token,
+    or with the end token inside (a template whose end-of-turn token is the tokenizer's eos), stay whole; the padding
+    is one more document. Megatron-LM's end-token rule refuses both datasets at start-up, naming the file and the
+    fix, and accepts a dataset preprocessed with --append-eod."""
+    from data.loader import check_end_token_rule
+
+    plain = write_documents(str(tmp_path / "plain"), [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]])
+    dataset = PackedDataset(plain, (0, 3), 8, 1, seed=0, packing="bfd", overflow="truncate", eod_token_id=EOD)
+    for index in range(len(dataset)):
+        lengths = dataset.pieces[dataset.pack_offsets[index]:dataset.pack_offsets[index + 1], 2].tolist()
+        padding = 9 - sum(lengths)
+        expected = [number for number, length in enumerate([*lengths, padding]) for _ in range(length)]
+        assert dataset.sample_documents(index).tolist() == expected
+    assert sorted(dataset.pieces[:, 2].tolist()) == [3, 4, 4]
+    with pytest.raises(ValueError, match=r"plain.bin: 3 documents do not end with the end-of-document token 50256 "
+                                         r"\(the first: document 0\).*--append-eod.*\"dataset\" \(the default"):
+        check_end_token_rule(plain, EOD)
+    turns = write_documents(str(tmp_path / "turns"), [[1, EOD, 2, EOD], [3, EOD], [4, 5, EOD, 6, EOD, EOD]])
+    with pytest.raises(ValueError, match=r"turns.bin: the end-of-document token 50256 occurs 3 times inside documents "
+                                         r"\(the first in document 0\).*cuts a conversation at every turn.*"
+                                         r"\"dataset\" \(the default"):
+        check_end_token_rule(turns, EOD)
+    check_end_token_rule(write_documents(str(tmp_path / "ends"), [[1, 2, EOD], [], [3, EOD]]), EOD)
+
+
+def test_the_dataset_rule_gives_the_end_token_rules_documents_on_appended_end_tokens(chat) -> None:
+    """On data preprocessed with --append-eod (the end token ends every document and occurs nowhere else), the
+    dataset's documents are the end-token rule's: concat samples (Megatron's, cut across documents) alike, with the
+    first token of a sample inside a document and an end token shared by two samples; packed samples alike on every
+    position the loss reads (the rule makes each padding token a document of its own, the dataset one of all)."""
+    from data.gpt_dataset import GPTDataset
+    from data.loader import MicroBatchLoader
+
+    indexed, masks = IndexedDataset(chat), IndexedDataset(loss_mask_prefix(chat))
+    concat = GPTDataset(indexed, (0, indexed.num_documents), 31, 64, seed=3, loss_mask=masks)
+    packed = PackedDataset(indexed, (0, indexed.num_documents), 255, 32, seed=3, packing="bfd", overflow="truncate",
+                           eod_token_id=EOD, loss_mask=masks)
+    for dataset in (concat, packed):
+        flags = dict(eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True)
+        by_index = MicroBatchLoader(dataset, 4, 0, 1, **flags)
+        by_token = MicroBatchLoader(dataset, 4, 0, 1, document_boundaries="eod_token", **flags)
+        for batch, ((inputs, targets), (token_inputs, token_targets)) in enumerate(zip(by_index, by_token,
+                                                                                        strict=True)):
+            assert torch.equal(inputs[0], token_inputs[0]) and all(map(torch.equal, targets, token_targets))
+            documents = torch.zeros_like(inputs[0], dtype=torch.bool)  # the inputs that are documents' tokens (not padding)
+            for row in range(4):
+                used = (int(packed.pieces[packed.pack_offsets[4 * batch + row]:
+                                          packed.pack_offsets[4 * batch + row + 1], 2].sum())
+                        if dataset is packed else documents.shape[1])
+                documents[row, :used] = True
+            assert documents.any(dim=1).all() and not (targets[1].bool() & ~documents).any()
+            for found, expected in zip(inputs[1:], token_inputs[1:], strict=True):  # positions, documents
+                assert torch.equal(found[documents], expected[documents])
 
 
 def test_config_names_the_packing_fields() -> None:

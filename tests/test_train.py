@@ -143,6 +143,9 @@ def test_fine_tuning_starts_the_schedules_afresh_on_the_pretrained_weights(corpu
                           extra=[f"training.init_from={straight_run}", "training.fine_tune=true",
                                  "data.packing=\"concat\""])  # the pretraining samples (fine-tuning packs "bfd")
     assert f"fine-tuning from the weights of {straight_run}" in result.stdout + result.stderr
+    assert ("data: packing concat, each sample one stream (no document masks, positions 0 .. s-1); loss over the "
+            "step's target tokens (training.loss_normalization \"tokens\", the default of training.fine_tune)"
+            in result.stdout)  # the start-up line
     ours, pretraining = read_metrics(save / "metrics.jsonl"), read_metrics(straight_run / "metrics.jsonl")
     for key in ("step", "lr", "global_batch", "consumed_samples", "consumed_tokens"):
         assert [r[key] for r in ours] == [r[key] for r in pretraining[:3]], key

@@ -86,8 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--loss-on", choices=LOSS_ON, default=None,
                       help="assistant (default): every assistant turn with its end-of-turn token, and the "
                            "completion of prompt/completion records; completion: the completion, and of a chat only "
-                           "its last (assistant) message; all: every token. With --append-eod the end-of-document "
-                           "token is a target when the record ends with a target (only whitespace after it)")
+                           "its last (assistant) message; all: every token. The end-of-document token that "
+                           "--append-eod adds is no target (TRL's mask): it only separates the records")
+    chat.add_argument("--eod-is-target", action="store_true",
+                      help="with --append-eod: the end-of-document token is a target when the record ends with a "
+                           "target (only whitespace after it), or with --loss-on all, so that the model learns to "
+                           "end a document after the last reply (what this tool did before)")
     output = parser.add_argument_group("output data")
     output.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
     output.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
@@ -137,7 +141,7 @@ def _main_chat(args: argparse.Namespace) -> int:
             vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
             skip_bad_lines=args.skip_bad_lines, input_format=args.input_format, batch_size=args.batch_size,
             progress=not args.no_progress, shard=args.shard, chat_template=args.chat_template,
-            loss_on=args.loss_on or "assistant",
+            loss_on=args.loss_on or "assistant", eod_is_target=args.eod_is_target,
         )
         report = preprocess_chat(config)
     except (BadInputError, FileNotFoundError, ValueError) as error:

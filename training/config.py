@@ -115,12 +115,19 @@ class DataConfig:
     "split" it into pieces of seq_length + 1 tokens packed as documents of their own. The run's log counts them."""
     reset_attention_mask: bool | None = None
     """Documents packed in one sample never attend to each other (a block-diagonal causal mask, as Megatron-LM's
-    --reset-attention-mask, which Llama 3 pretrained with): a document ends at its end-of-document token. Default:
+    --reset-attention-mask, which Llama 3 pretrained with); where documents are: document_boundaries. Default:
     true under whole-document packing (data.packing "bfd", "greedy", "none"), false under "concat"."""
     reset_position_ids: bool | None = None
-    """Positions restart at 0 after each end-of-document token (Megatron-LM's --reset-position-ids), for RoPE and
+    """Positions restart at 0 where each document starts (Megatron-LM's --reset-position-ids), for RoPE and
     learned positions alike. Default as reset_attention_mask. Alone it still runs attention through the masked
     kernel (a mask of one document), not SDPA's causal one."""
+    document_boundaries: str = "dataset"
+    """Where a sample's documents are, for reset_attention_mask and reset_position_ids (data/loader.py): "dataset",
+    where the data says documents start (the pieces of a packed sample, the document index's cut of a concat one),
+    whatever their tokens; or "eod_token", Megatron-LM's rule: a document ends at each eod_token_id, for corpora
+    tokenised elsewhere, refused at start-up on a dataset whose end token also occurs inside its documents. The two
+    agree on a corpus preprocessed with --append-eod. A chat template whose end-of-turn token is the tokenizer's eos
+    (Qwen's <|im_end|>, Llama 3's <|eot_id|>) needs "dataset": the token rule would cut every turn apart."""
     eod_token_id: int | None = None
     """The tokenizer's end-of-document id: it ends documents for eod_mask_loss, reset_attention_mask,
     reset_position_ids and whole-document packing (which also pads with it). Default: the end-of-text token of the
@@ -141,6 +148,11 @@ class DataConfig:
                              f"\"concat\"), got {self.packing!r}")
         if self.packing_overflow not in OVERFLOWS:
             raise ValueError(f"data.packing_overflow must be one of {OVERFLOWS}, got {self.packing_overflow!r}")
+        from data.loader import DOCUMENT_BOUNDARIES
+
+        if self.document_boundaries not in DOCUMENT_BOUNDARIES:
+            raise ValueError(f"data.document_boundaries must be one of {DOCUMENT_BOUNDARIES}, got "
+                             f"{self.document_boundaries!r}")
         if self.cache_timeout_s <= 0:
             raise ValueError(f"data.cache_timeout_s must be positive, got {self.cache_timeout_s}")
         for i, entry in enumerate(self.blend):
@@ -218,10 +230,10 @@ class TrainingConfig:
     z_loss: float = 0.0
     """Coefficient of the z-loss, coef x mean(log Z^2) over the tokens, added to the cross-entropy (model/loss.py;
     PaLM: 1e-4). 0: off. Logged apart from the loss as z_loss."""
-    loss_normalization: str = "micro_batch"
-    """What the step's loss divides its summed token losses by (model/loss.py). "micro_batch" (the default, as
-    before): each micro-batch's loss is the mean over its target tokens, and the step averages the micro-batches and
-    the data-parallel replicas: equal to "tokens" whenever every micro-batch has as many target tokens (pretraining,
+    loss_normalization: str | None = None
+    """What the step's loss divides its summed token losses by (model/loss.py); default "tokens" when fine_tune is
+    set, else "micro_batch" (the start-up line says which). "micro_batch": each micro-batch's loss is the mean over
+    its target tokens, and the step averages the micro-batches and the data-parallel replicas: equal to "tokens" whenever every micro-batch has as many target tokens (pretraining,
     where every position is a target), and the bits of every earlier run. "tokens": the sum over the whole global
     batch divided by its target-token count, whatever the split into micro-batches, accumulation steps and replicas
     (TRL's num_items_in_batch, Megatron-LM's --calculate-per-token-loss): what fine-tuning on masked data wants, where
@@ -256,7 +268,7 @@ class TrainingConfig:
         for name in ("eval_interval", "eval_iters", "save_interval", "stability_interval", "z_loss"):
             if getattr(self, name) < 0:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
-        if self.loss_normalization not in ("micro_batch", "tokens"):
+        if self.loss_normalization not in (None, "micro_batch", "tokens"):
             raise ValueError(f"training.loss_normalization must be \"micro_batch\" or \"tokens\", got "
                              f"{self.loss_normalization!r}")
         if self.checkpoint_mode not in ("async", "sync"):
@@ -330,6 +342,8 @@ class RunConfig:
     """Where the model's shape came from (the config file, a preset, model.from_hf's config.json): errors say it."""
     eod_origin: str = "data.eod_token_id"
     """Where data.eod_token_id came from."""
+    loss_normalization_origin: str = "as set"
+    """Where training.loss_normalization came from (the start-up line says it)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -488,6 +502,7 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>", *, check_layou
     if check_layout:
         config.check_layout()
     _resolve_end_of_document(config)
+    _resolve_loss_normalization(config)
     config.learning_rate_schedule()
     config.batch_schedule()
     config.noise_scale_schedule(data_parallel_size=1)  # bounds, factor, interval; the DP multiple in check_world
@@ -505,6 +520,16 @@ def _resolve_end_of_document(config: RunConfig) -> None:
                          f"tokenizer's: its end-of-document id data.eod_token_id ({config.data.eod_token_id}, "
                          f"{config.eod_origin}) does not fit; give the model at least the tokenizer's vocabulary "
                          f"(50257 for GPT-2), or set data.eod_token_id")
+
+
+def _resolve_loss_normalization(config: RunConfig) -> None:
+    """training.loss_normalization: as set, else "tokens" when fine-tuning (TRL's num_items_in_batch: a short answer
+    weighs by its tokens), else "micro_batch"."""
+    if config.training.loss_normalization is None:
+        fine_tune = config.training.fine_tune
+        config.training.loss_normalization = "tokens" if fine_tune else "micro_batch"
+        config.loss_normalization_origin = ("the default of training.fine_tune" if fine_tune
+                                            else "the default without training.fine_tune")
 
 
 def _tokenizer_end_of_text(config: RunConfig) -> tuple[int, str]:

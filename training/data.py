@@ -13,7 +13,7 @@ from common.device import accelerator_device
 from data.gpt_dataset import build_gpt_datasets
 from data.index_cache import DEFAULT_FALLBACK_DIRECTORY, IndexCachePolicy
 from data.indexed_dataset import IndexedDataset, check_vocab_size
-from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset
+from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset, check_end_token_rule
 from data.loss_mask import find_loss_mask, loss_mask_prefix
 from model.config import set_option
 from model.parallel import ParallelContext
@@ -37,8 +37,11 @@ def check_datasets(config: RunConfig) -> None:
             if not Path(prefix + suffix).exists():
                 raise ValueError(f"{config.source}: dataset file {prefix + suffix} does not exist: preprocess the "
                                  f"corpus with tools/preprocess_data.py or fix data.blend")
-        check_vocab_size(IndexedDataset(prefix), config.model.vocab_size)
+        indexed = IndexedDataset(prefix)
+        check_vocab_size(indexed, config.model.vocab_size)
         find_loss_mask(prefix)  # a loss mask beside the tokens is checked against them (data/loss_mask.py)
+        if data_layout(config).end_token_rule:
+            check_end_token_rule(indexed, config.data.eod_token_id)
 
 
 def samples_needed(config: RunConfig) -> tuple[int, int, int]:
@@ -92,6 +95,12 @@ class DataLayout:
     packing: str  # "concat", "bfd", "greedy" or "none"
     reset_attention_mask: bool
     reset_position_ids: bool
+    document_boundaries: str  # "dataset" or "eod_token" (data/loader.py)
+
+    @property
+    def end_token_rule(self) -> bool:
+        """Megatron-LM's rule tells this run's documents apart: the end token must end them and nothing else."""
+        return self.document_boundaries == "eod_token" and (self.reset_attention_mask or self.reset_position_ids)
 
 
 def data_layout(config: RunConfig) -> DataLayout:
@@ -101,7 +110,22 @@ def data_layout(config: RunConfig) -> DataLayout:
     whole_documents = packing != "concat"
     masks, positions = config.data.reset_attention_mask, config.data.reset_position_ids
     return DataLayout(packing, whole_documents if masks is None else masks,
-                      whole_documents if positions is None else positions)
+                      whole_documents if positions is None else positions, config.data.document_boundaries)
+
+
+def describe_layout(config: RunConfig) -> str:
+    """The start-up line: how documents become samples and what the loss divides by, defaults named."""
+    layout = data_layout(config)
+    documents = ("each sample one stream (no document masks, positions 0 .. s-1)"
+                 if not (layout.reset_attention_mask or layout.reset_position_ids) else
+                 f"document masks {'on' if layout.reset_attention_mask else 'off'}, positions "
+                 f"{'reset' if layout.reset_position_ids else 'not reset'} per document, documents from "
+                 + ("the dataset's index" if layout.document_boundaries == "dataset"
+                    else f"end token {config.data.eod_token_id} (Megatron-LM's rule)"))
+    normalization = config.training.loss_normalization
+    over = "the step's target tokens" if normalization == "tokens" else "each micro-batch's target tokens"
+    return (f"data: packing {layout.packing}, {documents}; loss over {over} (training.loss_normalization "
+            f"\"{normalization}\", {config.loss_normalization_origin})")
 
 
 def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:
@@ -115,7 +139,7 @@ def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[Loa
             data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples,
             eod_mask_loss=config.data.eod_mask_loss, eod_token_id=config.data.eod_token_id,
             reset_attention_mask=layout.reset_attention_mask, reset_position_ids=layout.reset_position_ids,
-            context_parallel_size=ctx.context_parallel_size, context_parallel_rank=ctx.context_parallel_rank),
-            accelerator_device())
+            context_parallel_size=ctx.context_parallel_size, context_parallel_rank=ctx.context_parallel_rank,
+            document_boundaries=layout.document_boundaries), accelerator_device())
 
     return factory(train), (factory(valid) if valid is not None else None)

@@ -32,6 +32,7 @@ from model.parallel import ParallelContext
 from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
 from training import checkpoint
 from training.config import RunConfig
+from training.data import describe_layout
 from training.engine import pipeline_schedule_of, set_global_batch
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
@@ -136,6 +137,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
         self.resume()
+        self.logger.info(describe_layout(self.config))
         self.logger.start_wandb(resumed=self.saved_step is not None, layout={
             "world_size": dist.get_world_size(), "data_parallel_size": self.ctx.data_parallel_size})
         if self.plan_check is not None:  # the plan's start-up figures beside the run's scalars (plan/...)
