@@ -6,7 +6,9 @@ generation, the attention-logit probe of the stability monitors.
 SelfAttention is one block's attention (model/gpt.py assembles the blocks); its ``core`` (softmax(q k^T / sqrt(d)) v
 with the attention dropout) is what selective recomputation reruns. Without document ids the core is SDPA's causal
 kernel; with a packed sample's ``segment_ids`` (data.reset_attention_mask) it is block-diagonal causal
-(``document_mask``), on SDPA (the reference) or FlexAttention (model.attention_backend "flex", GPUs).
+(``document_mask``): by default (model.attention_backend "auto") FlexAttention on CUDA and the blockwise kernel of
+model/document_attention.py elsewhere, both in memory linear in s; SDPA with the s x s mask is the reference, and the
+kernel under attention dropout (``document_kernel``).
 
 Under Ulysses context parallelism (parallelism.context_parallel_size CP > 1) s is this rank's slice of the sample,
 s = S / CP: RoPE rotates q and k at the slice's global positions, then DeepSpeed's DistributedAttention trades the
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.document_attention import blockwise_document_attention
 from model.init import parameter_seed
 from model.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, mark_shared_by_heads
 from model.parallel import ParallelContext
@@ -39,6 +42,16 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     same_document = segment_ids[:, :, None] == segment_ids[:, None, :]  # (b, s, s)
     return (same_document & causal).unsqueeze(1)
+
+
+def document_kernel(backend: str, device: torch.device, dropout: float) -> str:
+    """The kernel of document masks for model.attention_backend: "auto" is FlexAttention on CUDA and the blockwise
+    kernel elsewhere (both linear in s), SDPA's masked kernel where attention dropout applies (the only one with it)."""
+    if backend != "auto":
+        return backend
+    if dropout > 0:
+        return "sdpa"
+    return "flex" if device.type == "cuda" else "blockwise"
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
@@ -116,7 +129,7 @@ class SelfAttention(nn.Module):
         self.heads = self.groups * self.queries_per_group
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
-        self.backend = config.attention_backend  # the kernel of document masks: "sdpa" or "flex"
+        self.backend = config.attention_backend  # the kernel of document masks (document_kernel)
         self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
         self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"),
@@ -202,8 +215,11 @@ class SelfAttention(nn.Module):
         queries, keys = q.shape[-2], k.shape[-2]
         if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
             self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k, segment_ids))
-        if segment_ids is not None and self.backend == "flex":
+        kernel = None if segment_ids is None else document_kernel(self.backend, q.device, dropout)
+        if kernel == "flex":
             return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1)
+        if kernel == "blockwise":
+            return blockwise_document_attention(q, k, v, segment_ids)  # (b, nh/R, s, d)
         mask = None
         if segment_ids is not None:
             mask = document_mask(segment_ids)  # (b, 1, s, s)

@@ -23,7 +23,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 BIASES = ("all", "none", "qkv")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION_BACKENDS = ("sdpa", "flex")
+ATTENTION_BACKENDS = ("auto", "blockwise", "sdpa", "flex")  # model/document_attention.py tabulates them
 ROPE_SCALING_TYPES = ("llama3", "yarn")
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
@@ -214,11 +214,11 @@ class ModelConfig:
     """Width d of each attention head; defaults to hidden_size / num_attention_heads. Set on its own it frees the
     attention width (heads x d) from h (Qwen3-0.6B: h 1024, 16 heads of 128): QKV is h -> (heads + 2 kv heads) d and
     the output projection heads d -> h."""
-    attention_backend: str = "sdpa"
-    """The kernel of the document masks (data.reset_attention_mask): "sdpa", torch's scaled_dot_product_attention
-    with the (b, 1, s, s) boolean mask (the reference; it computes every masked score), or "flex", FlexAttention with
-    a block mask that skips the blocks outside the documents (compiled on CUDA; torch has no FlexAttention backward
-    on CPU, and no attention dropout in it). Attention without document masks is SDPA's causal kernel either way."""
+    attention_backend: str = "auto"
+    """The kernel of document masks (data.reset_attention_mask; model/document_attention.py): "blockwise" (memory
+    linear in s: each block of queries against its documents' keys), "flex" (FlexAttention, compiled, CUDA), "sdpa"
+    (the (b, 1, s, s) mask, the reference and the one kernel with attention dropout), or "auto": flex on CUDA,
+    blockwise elsewhere, sdpa under attention dropout. Without document masks: SDPA's causal kernel, always."""
     qk_layernorm: bool = False
     """A norm on each query and key head before the dot product (and before RoPE), of width head_dim, its weights
     shared by the heads: "layernorm" or "rmsnorm" following ``norm`` (Qwen3's q_norm / k_norm; Wortsman et al. 2023:
@@ -261,9 +261,9 @@ class ModelConfig:
                  f"{self.head_dim!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"model.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _require(self.attention_backend != "flex" or self.attention_dropout == 0.0,
-                 f"model.attention_backend \"flex\" has no attention dropout (FlexAttention applies none): set "
-                 f"model.attention_dropout to 0, or use \"sdpa\" (got attention_dropout {self.attention_dropout})")
+        _require(self.attention_backend in ("auto", "sdpa") or self.attention_dropout == 0.0,
+                 f"model.attention_backend \"{self.attention_backend}\" has no attention dropout: set model."
+                 f"attention_dropout to 0, or use \"sdpa\" (got attention_dropout {self.attention_dropout})")
         _require(isinstance(self.qk_layernorm, bool),
                  f"model.qk_layernorm must be true or false, got {self.qk_layernorm!r}")
         for name in ("hidden_dropout", "attention_dropout"):

@@ -245,7 +245,8 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     if attention_scores_stored:  # Korthikanti et al.: softmax output, dropout mask, dropout output (5 a s^2 b / t)
         rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * dtype / 2,
                                  ("none",)))
-    else:  # the fused kernel keeps its output and one fp32 statistic per row and head
+    else:  # the fused kernel keeps its output and one fp32 statistic per row and head; so do the document-mask
+        # kernels (model/document_attention.py: blockwise, FlexAttention), whose block masks are the stage's, not a row
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
         if query_contiguous or ulysses:  # (b, a, s, d) too, or sent back: the dense input is a copy
             rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
