@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.blended_dataset import BlendedDataset, load_or_build_blending_indices, normalize_weights
-from data.index_cache import IndexCache, IndexCachePolicy
+from data.index_cache import IndexCache, IndexCachePolicy, dataset_fingerprint
 from data.indexed_dataset import IndexedDataset, idx_path
 from data.loss_mask import find_loss_mask
 from data.packing import PackedDataset
@@ -35,7 +34,6 @@ GPT_INDEX_VERSION = 1
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: a final epoch used for less than this is shuffled on its own
 _CHUNK = 1 << 22  # documents per chunk while the document index is filled
 _SAMPLE_CHUNK = 1 << 16  # documents per chunk of the sample index: its temporaries stay in cache (2x faster than 4M)
-_FINGERPRINT_BLOCKS, _FINGERPRINT_BLOCK_BYTES = 64, 1 << 16
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
@@ -153,25 +151,6 @@ def build_gpt_index(document_lengths: np.ndarray, document_range: tuple[int, int
     shuffled_together = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate_final_epoch else total
     shuffle_index = build_shuffle_index(shuffled_together, total, rng)
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
-
-
-def dataset_fingerprint(dataset: IndexedDataset) -> str:
-    """Hash of the .idx: its size and 64 evenly spaced 64 KiB blocks (all of it below 4 MiB) plus the .bin size.
-
-    What the index arrays depend on is the document lengths, which live in the .idx; sampling keeps start-up fast
-    on many ranks for a multi-GB index while any re-tokenisation still changes the hash.
-    """
-    digest = hashlib.sha256()
-    size = os.path.getsize(dataset.idx_file)
-    digest.update(f"{size} {os.path.getsize(dataset.bin_file)}".encode())
-    with open(dataset.idx_file, "rb") as stream:
-        if size <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BLOCK_BYTES:
-            digest.update(stream.read())
-        else:
-            for offset in np.linspace(0, size - _FINGERPRINT_BLOCK_BYTES, _FINGERPRINT_BLOCKS).astype(np.int64):
-                stream.seek(int(offset))
-                digest.update(stream.read(_FINGERPRINT_BLOCK_BYTES))
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,28 @@ node on a shared file system) only repeat work: the arrays of a key are the same
 
 One process per node builds (``builds=True``: LOCAL_RANK 0); the others (``builds=False``) wait for the entry,
 polling for up to ``timeout_s``, and memory-map it, so a node holds one copy of the arrays in its page cache.
+
+``dataset_fingerprint`` (what the keys of data/gpt_dataset.py and data/packing.py hash of their dataset) is here,
+below both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.files import atomic_open
+
+if TYPE_CHECKING:
+    from data.indexed_dataset import IndexedDataset
 
 RECORD_VERSION = 1
 _CRC_CHUNK_BYTES = 1 << 24
@@ -166,3 +174,25 @@ def _writable(directory: str) -> bool:
             return False
         directory = parent
     return os.access(directory, os.W_OK | os.X_OK)
+
+
+_FINGERPRINT_BLOCKS, _FINGERPRINT_BLOCK_BYTES = 64, 1 << 16
+
+
+def dataset_fingerprint(dataset: IndexedDataset) -> str:
+    """Hash of the .idx: its size and 64 evenly spaced 64 KiB blocks (all of it below 4 MiB) plus the .bin size.
+
+    What the index arrays depend on is the document lengths, which live in the .idx; sampling keeps start-up fast
+    on many ranks for a multi-GB index while any re-tokenisation still changes the hash.
+    """
+    digest = hashlib.sha256()
+    size = os.path.getsize(dataset.idx_file)
+    digest.update(f"{size} {os.path.getsize(dataset.bin_file)}".encode())
+    with open(dataset.idx_file, "rb") as stream:
+        if size <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BLOCK_BYTES:
+            digest.update(stream.read())
+        else:
+            for offset in np.linspace(0, size - _FINGERPRINT_BLOCK_BYTES, _FINGERPRINT_BLOCKS).astype(np.int64):
+                stream.seek(int(offset))
+                digest.update(stream.read(_FINGERPRINT_BLOCK_BYTES))
+    return digest.hexdigest()

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.index_cache import IndexCache, file_crc32
+from data.index_cache import IndexCache, dataset_fingerprint, file_crc32
 from data.indexed_dataset import IndexedDataset, idx_path
 
 PACKINGS = ("concat", "bfd", "greedy", "none")
@@ -219,8 +219,6 @@ class PackedDataset:
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], seq_length: int, num_samples: int,
                  *, seed: int, packing: str, overflow: str, eod_token_id: int, cache: IndexCache | None = None,
                  loss_mask: IndexedDataset | None = None) -> None:
-        from data.gpt_dataset import dataset_fingerprint
-
         begin, end = document_range
         if not 0 <= begin < end <= indexed.num_documents:
             raise ValueError(f"{indexed.idx_file}: documents [{begin}, {end}) are out of its "
