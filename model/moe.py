@@ -1,7 +1,7 @@
 """Mixture-of-Experts block: a deterministic top-k router, a dropless all-to-all dispatch over the expert-parallel
 group with uneven splits, SwiGLU experts stored as [E_local, ...] tensors and TP-sharded like the dense SwiGLUMLP,
 and an optional shared expert with a sigmoid gate (Qwen2-MoE). Its configuration (MoEConfig, ``model.moe``) and the
-checks of the expert-parallel size are in model/config.py, which imports no torch.
+checks of the expert-parallel size are in model/config/moe.py, which imports no torch.
 
 With E experts, k = top_k, F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size, R the tensor-parallel and
 P the expert-parallel size (EP ranks are data-parallel ranks with the same TP and PP coordinates), E_l = E / P, this

@@ -1,5 +1,5 @@
 """The named model shapes: each a dict of ModelConfig fields (model.moe as the object JSON would give), from the
-published papers and Hugging Face config.json files; model/config.py's preset() builds one, with any field
+published papers and Hugging Face config.json files; model/config/model.py's preset() builds one, with any field
 overridden. It imports nothing of the project: the table reads on its own.
 """
 

@@ -179,7 +179,7 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         plan.errors.append(f"data parallelism is not a whole number: {nodes} nodes x {hardware.gpus_per_node} GPUs = "
                            f"{error}; use a multiple of {step} nodes")
         return plan
-    try:  # EP against the experts and DP: one line naming the field and the choices (model/config.py)
+    try:  # EP against the experts and DP: one line naming the field and the choices (model/config/moe.py)
         check_expert_parallel(config.model.moe, config.parallelism.expert_parallel_size, plan.data_parallel_size)
     except ValueError as error:
         plan.errors.append(str(error))

@@ -113,7 +113,7 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
 
 
 def context_parallel_choices(model, tensor_parallel_size: int, largest: int) -> list[int]:
-    """CP sizes up to ``largest`` that Ulysses can split this model into at this TP (model/config.py,
+    """CP sizes up to ``largest`` that Ulysses can split this model into at this TP (model/config/parallel.py,
     _check_context_parallel): powers of 2 dividing the heads and key/value heads of a TP rank, and the sequence."""
     heads, groups = model.num_attention_heads // tensor_parallel_size, model.num_key_value_heads // tensor_parallel_size
     choices, cp = [], 1

@@ -228,7 +228,7 @@ def test_a_dualpipev_checkpoint_exports_and_evaluates_as_the_1f1b_one(dualpipev_
 
 @pytest.mark.parametrize("stages", [2, 3, 5, 8, 35])
 def test_deepspeeds_partition_gives_every_rank_its_share_of_the_blocks(stages):
-    """What the layout check relies on (model/config.py): DeepSpeed's partition of L = k PP blocks into 2 PP stages,
+    """What the layout check relies on (model/config/parallel.py): DeepSpeed's partition of L = k PP blocks into 2 PP stages,
     the larger first, gives rank r (stages r and 2 PP - 1 - r) k blocks for every k >= 2, odd k included (530B: 105
     over PP 35, stages of 2 and 1)."""
     from model.summary import count_stages

@@ -1,0 +1,29 @@
+"""The helpers every configuration module checks its fields with, and the --set option that fixes one."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+
+def set_option(path: str, value: Any) -> str:
+    """The --set option that gives a config field this value, as one shell word that pastes: compact JSON, quoted
+    where the shell needs it (--set reads the value as JSON: training/config.py apply_overrides).
+
+    >>> set_option("model.num_attention_heads", 6)
+    '--set model.num_attention_heads=6'
+    >>> set_option("model.rope_scaling", {"rope_type": "llama3", "factor": 8.0})
+    '--set \'model.rope_scaling={"rope_type":"llama3","factor":8.0}\''
+    """
+    return "--set " + shlex.quote(f"{path}={json.dumps(value, separators=(',', ':'))}")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``condition``: every check names the field and the fix in its message."""
+    if not condition:
+        raise ValueError(message)
+
+
+def is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
