@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 4 train.py --ds_config ds_configs/tiny-cpu.json --set schedule.warmup_tokens=1e4
 
 The whole run is one JSON (DeepSpeed's keys plus the model, parallelism, schedule, data and training blocks; see
-training/config.py); --set overrides any field. A run with a checkpoint directory resumes from its latest complete
+runconfig/); --set overrides any field. A run with a checkpoint directory resumes from its latest complete
 checkpoint by itself; SIGTERM or SIGINT writes a checkpoint and exits cleanly.
 """
 
@@ -43,16 +43,19 @@ def data_path_to_blend(items: list[str]) -> list[list]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     overrides = list(args.set)
     try:
         config = load_run_config(args.ds_config, overrides)
         if args.data_path:
-            from training.config import DataConfig
+            from runconfig.blocks import DataConfig
 
             config.data = DataConfig(**{**config.data.__dict__, "blend": data_path_to_blend(args.data_path)})
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group is built
+        from training.run import check_buildable
+
+        check_buildable(config)  # the checks that need training code (training/run.py)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

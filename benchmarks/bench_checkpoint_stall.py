@@ -47,9 +47,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: int) -> dict:
     import torch.distributed as dist
 
+    from runconfig.run import parse_run_config
     from tests.test_model_parallel import deepspeed_config, micro_batches
     from training.checkpoint import Checkpointer
-    from training.config import parse_run_config
     from training.engine import build_engine
 
     raw = {**deepspeed_config("fp32"), "model": {"preset": "tiny", "num_layers": layers, "hidden_size": hidden,

@@ -13,7 +13,7 @@ string, is the number 0.001). Paths in the file (``base``, ``data``, and those i
 to the directory the sweep is started from, as they are for train.py, which runs there. A path names a field
 (block.field, or a DeepSpeed key of the base config): a block alone, or training.save (the sweep's), is refused.
 
-``plan_runs`` parses every point's run config with training/config.py, checks its world (TP x PP x DP processes)
+``plan_runs`` parses every point's run config with runconfig/run.py, checks its world (TP x PP x DP processes)
 and its datasets before anything runs: an unknown field or an impossible combination stops the sweep with the
 project's message, prefixed with the grid file and the point. A run's name is made of its axis values,
 ``lr=0.001,qk_layernorm=true`` (an axis's full path when two share a last part), with a short hash added when two
@@ -35,7 +35,7 @@ import yaml
 
 from lab.projection import non_embedding_parameters
 from lab.results import LR_COLUMN
-from training.config import PROJECT_BLOCKS, load_run_config
+from runconfig.run import PROJECT_BLOCKS, load_run_config
 
 LR_AXIS = LR_COLUMN  # the axis names its results.csv column
 GRID_KEYS = ("base", "set", "grid", "data")
@@ -239,7 +239,7 @@ def run_overrides(grid: Grid, point: dict[str, Any], run_dir: Path) -> list[str]
 
 
 def plan_runs(grid: Grid, output: str | Path, processes_per_run: int | None = None) -> list[RunSpec]:
-    """Every point's run config parsed by training/config.py, its world and its datasets checked; nothing runs."""
+    """Every point's run config parsed by runconfig/run.py, its world and its datasets checked; nothing runs."""
     if processes_per_run is not None and processes_per_run < 1:
         raise GridError(f"processes per run must be at least 1, got {processes_per_run}")
     base = read_base(grid)

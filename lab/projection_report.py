@@ -146,7 +146,7 @@ def fitted_sizes(sizes: list[Size], include_edges: bool, files: str) -> list[Siz
 
 
 def load_target(path: str, overrides: list[str]) -> Target:
-    from training.config import load_run_config  # imports torch: only with --target
+    from runconfig.run import load_run_config  # imports torch: only with --target
 
     config = load_run_config(path, overrides)
     model, tokens = config.model, config.schedule.train_tokens

@@ -13,7 +13,7 @@ One module per concern, each with its own formulas in its docstring (the whole d
                 the DP reduction, the optimizer step
     experts     Mixture-of-Experts models (model.moe): a rank's experts at   hardware, model/summary.py
                 EP, their ZeRO shard over DP / EP, the dispatch all-to-all
-    ramp        the batch ramp's sizes against DP, the whole training time   training/schedules.py
+    ramp        the batch ramp's sizes against DP, the whole training time   runconfig/schedules.py
     scaling     tokens per parameter, the compute-optimal size (Chinchilla)  memory
     checkpointing  a checkpoint's size, its write at a storage bandwidth,  memory
                 the share of the run a save stops it, sync and async
@@ -23,9 +23,8 @@ One module per concern, each with its own formulas in its docstring (the whole d
     search      every layout of one cluster size, ranked                    hardware, memory, timing
     report      the text tables and the --json documents (schema_version)   plan, search, scaling
 
-Only the run configuration is read from training/ (training/config.py, and the batch ramp it builds,
-training/schedules.py). The training loop plans its own layout once, at start-up, to log measured against planned
-(training/plan_check.py imports the planner inside its functions).
+The planner reads the run configuration (runconfig/, a layer below it) and nothing of training/; the training loop
+plans its own layout once, at start-up, to log measured against planned (training/plan_check.py).
 """
 
 from planner.checkpointing import Storage

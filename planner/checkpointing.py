@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from planner.experts import expert_parameters_of
 from planner.hardware import DTYPE_BYTES, Hardware
 from planner.memory import ParameterCounts
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam's exp_avg and exp_avg_sq, per parameter of the DP shard
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from planner.hardware import Assumptions, Hardware
 from planner.memory import count_parameters
 from planner.plan import Plan, plan_cluster
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 @dataclass(frozen=True)

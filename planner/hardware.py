@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from common.dtypes import BYTES_PER_ELEMENT as DTYPE_BYTES
 from common.dtypes import precision_name
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 GIB = 2**30
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000

@@ -73,7 +73,7 @@ from model.summary import StageCount, analytic_total_parameters, count_stages, t
 from planner.experts import count_expert_stages, expert_parameters_of, kept_assignments_per_token
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
 from planner.pipeline_schedule import activations_in_flight
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory, stage_memory
 from planner.ramp import TrainingTime, ramp_sizes_not_dividing, suggest_ramp, training_time
 from planner.timing import IterationTime, iteration_time
-from training.config import RunConfig
-from training.schedules import BatchRamp
+from runconfig.run import RunConfig
+from runconfig.schedules import BatchRamp
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from training.schedules import BatchRamp
+from runconfig.schedules import BatchRamp
 
 
 def ramp_sizes_not_dividing(ramp: BatchRamp, unit: int) -> list[int]:

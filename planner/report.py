@@ -47,7 +47,7 @@ from planner.memory import ParameterCounts, StageMemory
 from planner.plan import Plan
 from planner.scaling import ComputeOptimal, compute_optimal
 from planner.search import Layout, LayoutResult
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 SCHEMA_VERSION = 3
 """Of both --json documents. A key renamed or removed, or a value whose meaning changes, bumps it and gets a line in

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from planner.memory import ParameterCounts
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 @dataclass(frozen=True)

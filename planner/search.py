@@ -27,7 +27,7 @@ from planner.experts import count_expert_stages, expert_parallel_choices
 from planner.hardware import Assumptions, Hardware, deepspeed_layout
 from planner.memory import stage_memory
 from planner.timing import IterationTime, iteration_time
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 @dataclass(frozen=True)

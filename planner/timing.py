@@ -76,7 +76,7 @@ from planner.experts import (
 from planner.hardware import DTYPE_BYTES, Assumptions, DeepSpeedLayout, Hardware
 from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
 from planner.pipeline_schedule import pipeline_bubble
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 def ring_all_reduce_seconds(nbytes: float, ranks: int, bytes_per_s: float) -> float:

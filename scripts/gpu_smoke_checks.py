@@ -68,7 +68,7 @@ def flash(config_path: str, sets: list[str]) -> tuple[str, str]:
     from model.gpt import TransformerLayer
     from model.parallel import ParallelContext
     from model.random import RNGStream
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     if not torch.cuda.is_available():
         return "skip", "no CUDA device: the flash kernel runs on CUDA only"
@@ -105,7 +105,7 @@ def document_masks(config_path: str, sets: list[str]) -> tuple[str, str]:
     and backward, and the time of each."""
     import torch
 
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     if not torch.cuda.is_available():
         return "skip", "no CUDA device: FlexAttention's compiled kernel and its backward run on CUDA only"

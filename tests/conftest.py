@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from planner.memory import ParameterCounts, count_parameters
+from runconfig.run import RunConfig, load_run_config
 from tests.launch import preprocess_corpus, run_training
-from training.config import RunConfig, load_run_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "ds_configs" / "530b.json"
 

@@ -191,8 +191,8 @@ def _pipeline_batch(count: int, seq_length: int, vocab: int, step: int):
 
 def _pipeline_config(micro_batches: int):
     """The run config of the measured pipeline, for the planner."""
+    from runconfig.run import load_run_config
     from tests.test_model_parallel import deepspeed_config
-    from training.config import load_run_config
 
     return dataclasses.replace(
         load_run_config("ds_configs/tiny-cpu.json"), model=model_config(**PIPELINE_SHAPE),

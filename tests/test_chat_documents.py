@@ -56,7 +56,7 @@ def chat_tokenizer(style: str, directory: Path):
 
 def run_config(style: str, directory: Path, tokenizer):
     """The chat set tokenised with the style's tokenizer, and the run: llama-tiny at TP 2 x PP 2, packed whole."""
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     prefix = directory / "chat"
     assert preprocess_data(["--input", str(CHAT_DEMO), "--output-prefix", str(prefix), "--tokenizer-type",
@@ -74,8 +74,8 @@ def _steps(variants: dict) -> dict:
     """For each style: save the initial weights, then one training step; the step's loss and, on the last stage,
     every micro-batch's per-token losses (b, s)."""
     from model.layers import vocab_parallel_cross_entropy
+    from runconfig.run import parse_run_config
     from training.checkpoint import save_checkpoint
-    from training.config import parse_run_config
     from training.engine import build_engine
     from training.loss_normalization import set_step_tokens
 

@@ -142,8 +142,8 @@ def _save_sync_and_async(directory: str, precision: str) -> dict:
     its commit, and a third checkpoint of the later state."""
     import torch.distributed as dist
 
+    from runconfig.run import parse_run_config
     from training.checkpoint import Checkpointer
-    from training.config import parse_run_config
     from training.engine import build_engine
 
     raw = {**deepspeed_config(precision), "model": {"preset": "tiny", "num_layers": 4, "hidden_size": 64,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from training.config import parse_run_config
+from runconfig.run import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())  # TP 2 x PP 2, micro 4, batch 8 -> 32 by 8

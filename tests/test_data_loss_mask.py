@@ -53,7 +53,7 @@ def copy_dataset(source: str, target: str) -> str:
 
 
 def run_config(blend: list, *overrides: str):
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     items = ", ".join(f"[{weight}, \"{prefix}\"]" for weight, prefix in blend)
     return load_run_config("ds_configs/tiny-cpu.json", [

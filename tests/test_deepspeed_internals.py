@@ -334,7 +334,7 @@ def test_deepspeed_logger_is_the_one_its_modules_log_through():
 
 
 def _run_config(precision: str, accumulation: str | None):
-    from training.config import parse_run_config
+    from runconfig.run import parse_run_config
 
     raw = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
            "optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}},

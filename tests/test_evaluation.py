@@ -34,9 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runconfig.run import parse_run_config
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, deepspeed_config, micro_batches
-from training.config import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["alice_lastword", "alice_choice", "alice_pages"]

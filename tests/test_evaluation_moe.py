@@ -70,8 +70,8 @@ def _write_and_evaluate(directory: str) -> dict:
     from evaluation.loading import checkpoint_tokenizer, load_pipeline
     from model.config import ParallelConfig
     from model.moe import sparse_layers
+    from runconfig.run import parse_run_config
     from training.checkpoint import save_checkpoint
-    from training.config import parse_run_config
     from training.engine import build_engine
 
     config = parse_run_config(run_config(MODEL))
@@ -163,7 +163,7 @@ def test_the_layer_maps_describe_every_tensor_and_reshard_exactly():
     from hf.transforms import merge_shards, split_shards
     from model.gpt import TransformerLayer
     from model.parallel import ParallelContext
-    from training.config import parse_run_config
+    from runconfig.run import parse_run_config
 
     config = parse_run_config(run_config(MODEL)).model
     maps = layer_maps(config)

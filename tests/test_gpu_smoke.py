@@ -1,7 +1,7 @@
 """scripts/gpu_smoke.sh, the first run on a GPU, checked without one: its help, and its dry run against the real code.
 
 The dry run prints every command it would run. Each training command is parsed by train.py's own parser, its
-config loaded with its --set overrides by training/config.py and checked against a world of 1 process, as train.py
+config loaded with its --set overrides by runconfig/run.py and checked against a world of 1 process, as train.py
 does before anything is built; each planner command is run for real (tools/plan.py needs no GPU) and must say the
 run fits on the GPU and takes a few seconds a step.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
-from training.config import load_run_config
+from runconfig.run import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_smoke.sh"

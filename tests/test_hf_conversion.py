@@ -29,10 +29,10 @@ from hf.transforms import merge_to_hf, split_from_hf
 from model.checkpoint_files import layer_file
 from model.config import ParallelConfig
 from model.parallel import ParallelContext
+from runconfig.run import parse_run_config
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, deepspeed_config, micro_batches
 from tools import convert_from_hf, convert_to_hf
-from training.config import parse_run_config
 
 SEED = 1234
 TP, PP = 2, 2

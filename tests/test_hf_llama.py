@@ -41,10 +41,10 @@ from hf.tokenizer import TOKENIZER_DIRECTORY, gpt2_tokenizer
 from hf.transforms import merge_to_hf, split_from_hf
 from model.config import ModelConfig, ParallelConfig
 from model.parallel import ParallelContext
+from runconfig.run import parse_run_config
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, MICRO_BATCH, deepspeed_config
 from tools import convert_from_hf, convert_to_hf
-from training.config import parse_run_config
 
 SEED = 1234
 TP, PP = 2, 2

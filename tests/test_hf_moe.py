@@ -45,9 +45,9 @@ from hf.tokenizer import gpt2_tokenizer
 from hf.transforms import merge_to_hf, split_from_hf
 from model.config import ModelConfig, MoEConfig, ParallelConfig
 from model.parallel import ParallelContext
+from runconfig.run import parse_run_config
 from tests.distributed import run_distributed
 from tests.test_model_parallel import LR, deepspeed_config
-from training.config import parse_run_config
 
 TP, PP = 2, 2
 SEQ, BATCH = 32, 2

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runconfig.run import load_run_config
 from tools import convert_from_hf, convert_to_hf
 from tools.plan import main as plan_main
-from training.config import load_run_config
 
 CONFIG = "ds_configs/llama-tiny-cpu.json"
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ def corpus(tmp_path) -> IndexedDataset:
 
 
 def run_config(prefix: str, *overrides: str):
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     return load_run_config("ds_configs/tiny-cpu.json", [
         "model.seq_length=16", "schedule.train_tokens=8192", "schedule.warmup_tokens=1024",

@@ -134,7 +134,7 @@ def test_planner_plans_llama3_70b_on_64_h100_nodes():
     from pathlib import Path
 
     from model.flops import flops_per_iteration
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     sets = ['model.preset="llama3-70b"', "parallelism.tensor_parallel_size=8", "parallelism.pipeline_parallel_size=8",
             "train_micro_batch_size_per_gpu=1", "train_batch_size=1024", "schedule.batch={}",

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from runconfig.monitors import MemorySnapshotConfig
+from runconfig.run import load_run_config
 from tests.launch import OVERRIDES
-from training.config import load_run_config
-from training.memory_snapshot import CPU_MESSAGE, MemoryMonitor, MemorySnapshotConfig, due, snapshot_path
+from training.memory_snapshot import CPU_MESSAGE, MemoryMonitor, due, snapshot_path
 
 
 def _load(value: str, save: bool = True):
@@ -22,7 +23,7 @@ def _load(value: str, save: bool = True):
 
 def test_a_good_block_and_its_defaults():
     config = _load('{"step": 3}').training
-    from training.memory_snapshot import snapshot_config
+    from runconfig.monitors import snapshot_config
 
     assert snapshot_config(config) == MemorySnapshotConfig(step=3, on_oom=True, stacks="python", max_entries=100000)
     assert snapshot_config(_load("null").training) is None

@@ -24,10 +24,11 @@ import torch
 from model.config import ParallelConfig
 from model.gpt import GPT
 from model.parallel import ParallelContext
+from runconfig.schedules import NoiseScaleBatchSchedule
 from tests.distributed import run_distributed
 from tests.test_model_parallel import GLOBAL_BATCH, MICRO_BATCH, SEED, deepspeed_config, micro_batches, model_config
 from training.engine import build_engine
-from training.noise_scale import GradientNoiseScale, NoiseScaleBatchSchedule, NoiseScaleMonitor, counts_in_norm
+from training.noise_scale import GradientNoiseScale, NoiseScaleMonitor, counts_in_norm
 
 BETA = 0.9
 

@@ -42,8 +42,8 @@ import torch
 
 from model.config import preset
 from model.gpt import GPT
+from runconfig.run import load_run_config
 from tests.distributed import run_distributed
-from training.config import load_run_config
 from training.engine import weight_decay_groups
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -209,7 +209,7 @@ def test_the_dataset_rule_gives_the_end_token_rules_documents_on_appended_end_to
 
 
 def test_config_names_the_packing_fields() -> None:
-    from training.config import DataConfig
+    from runconfig.blocks import DataConfig
 
     with pytest.raises(ValueError, match=r"data.packing must be one of .*'bfd'.*got 'best'"):
         DataConfig(packing="best")

@@ -19,9 +19,9 @@ from planner.hardware import GPU_PRESETS, Assumptions
 from planner.plan import plan_cluster
 from planner.report import SCHEMA_VERSION
 from planner.search import candidate_layouts, search_layouts
+from runconfig.run import load_run_config
 from tests.test_planner import LAYER_NONE, LAYER_STORED, SELECTIVE_SP
 from tools.plan import main as plan_main
-from training.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "ds_configs" / "530b.json"

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
+from runconfig.run import load_run_config
 from tests.launch import OVERRIDES, TWO_PROCESSES, run_overrides, run_training
-from training.config import load_run_config
 from training.metrics_log import read_metrics
 
 HARDWARE = {"name": "test-cpu", "peak_tflops": 0.02, "memory_gib": 4.0, "hbm_gbytes_per_s": 10.0,
@@ -96,8 +96,12 @@ def test_without_plan_hardware_a_cpu_run_plans_nothing():
     ("7", "training.plan_hardware = 7 is an integer"),
 ])
 def test_a_bad_plan_hardware_is_refused_in_one_line_naming_it(value, words):
+    """Where training starts (training/run.py check_buildable, which train.py runs before any process): the run
+    config itself does not read the planner's presets."""
+    from training.run import check_buildable
+
     with pytest.raises(ValueError) as error:
-        load_run_config("ds_configs/tiny-cpu.json", [*OVERRIDES, f"training.plan_hardware={value}"])
+        check_buildable(load_run_config("ds_configs/tiny-cpu.json", [*OVERRIDES, f"training.plan_hardware={value}"]))
     assert words in str(error.value) and "\n" not in str(error.value)
 
 

@@ -38,10 +38,10 @@ from planner.timing import (
     stage_flops_per_micro_batch,
     sustained_rates,
 )
+from runconfig.run import load_run_config, parse_run_config
+from runconfig.schedules import BatchRamp
 from tests.distributed import run_distributed
-from training.config import load_run_config, parse_run_config
 from training.engine import build_engine
-from training.schedules import BatchRamp
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "ds_configs" / "530b.json"

@@ -35,8 +35,8 @@ from planner.timing import (
     ring_all_reduce_seconds,
     sustained_rates,
 )
+from runconfig.run import load_run_config
 from tools.plan import main as plan_main
-from training.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "ds_configs" / "1.3b.json"

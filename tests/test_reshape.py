@@ -119,8 +119,8 @@ def _load_and_save(data_prefix: str, source: str, out: str, overrides: list[str]
     """The run's own resume path (checked, converted, loaded with load_universal), then a save at the new layout."""
     import torch.distributed as dist
 
+    from runconfig.run import load_run_config
     from training import checkpoint
-    from training.config import load_run_config
     from training.engine import build_engine
     from training.run import resume_point
 

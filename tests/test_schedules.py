@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from model.flops import flops_per_iteration, tflops_per_gpu
-from training.config import load_run_config, parse_run_config
+from runconfig.run import load_run_config, parse_run_config
+from runconfig.schedules import BatchRamp, LearningRateSchedule
 from training.metrics import mfu
-from training.schedules import BatchRamp, LearningRateSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "ds_configs"
@@ -140,7 +140,7 @@ def test_the_eta_counts_the_ramps_future_batches():
     10,000-token target. From 0: 6 steps of 4 (768 tokens), 3 of 8 (to 1,536), then 12s until 10,000 is passed:
     1,536 + 22 x 384 = 9,984 < 10,000, so 23. At micro-batch 2 on 2 stages a step is (m + 1) slots: 6 x 3 + 3 x 5 +
     23 x 7 = 194; the current batch's pace (4 a step) would have counted (10,000 / 128 = 78.1 steps) x 3 = 234."""
-    from training.schedules import BatchRamp, future_batches, pipeline_slots
+    from runconfig.schedules import BatchRamp, future_batches, pipeline_slots
 
     ramp = BatchRamp(start=4, increment=4, end=12, ramp_tokens=1536)
     assert future_batches(ramp, 0, 10_000, 32) == [(4, 6), (8, 3), (12, 23)]

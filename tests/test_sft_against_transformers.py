@@ -28,11 +28,11 @@ import pytest
 import torch
 
 from data.loader import documents
+from runconfig.run import load_run_config, parse_run_config
 from tests.distributed import run_distributed
 from tests.test_data_loss_mask import CHAT_DEMO, EOD, preprocess
 from tests.test_model_parallel import LR, SEED, deepspeed_config
 from tools import convert_to_hf
-from training.config import load_run_config, parse_run_config
 
 SEQ_LENGTH, MICRO_BATCH, GLOBAL_BATCH = 256, 2, 4
 TOLERANCE = 1e-5

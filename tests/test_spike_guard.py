@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from runconfig.monitors import SpikeGuardConfig
 from tests.distributed import run_distributed
-from training.guards import SpikeGuard, SpikeGuardConfig
+from training.guards import SpikeGuard
 from training.spikes import ALPHA, SpikeDetector, in_ignored_warmup
 
 HOST_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
@@ -245,7 +246,7 @@ def write_dataset(prefix: Path) -> None:
 
 def train_evaluating_every_step(prefix: str, save: str) -> dict:
     """One process (TP 1, PP 1): 6 steps of 4 micro-batches, an evaluation of 2 x 4 micro-batches after each."""
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
     from training.data import build_loader_factories
     from training.engine import build_engine
     from training.metrics_log import read_metrics

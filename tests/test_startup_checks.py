@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from data.indexed_dataset import IndexedDatasetBuilder
-from training.config import parse_run_config
+from runconfig.run import parse_run_config
 from training.data import check_datasets, samples_needed
 
 ROOT = Path(__file__).resolve().parents[1]

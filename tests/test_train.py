@@ -35,7 +35,7 @@ def test_ramp_changes_micro_batches_and_loss_falls(straight_run):
     # the log's progress, against schedule.train_tokens (1e6 in tests/launch.py): the share done, the rate in total
     # and per GPU (4 processes), and the ETA: the ramp's future batches, each step at (its micro-batches + PP - 1)
     # times the seconds of one such slot in this step (log_interval 1: the window is the step)
-    from training.schedules import BatchRamp, future_batches
+    from runconfig.schedules import BatchRamp, future_batches
 
     ramp = BatchRamp(start=4, increment=4, end=16, ramp_tokens=1536)
     for record in read_metrics(straight_run / "metrics.jsonl"):

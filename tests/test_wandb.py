@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runconfig.run import parse_run_config
 from tests.launch import run_training
-from training.config import parse_run_config
 
 pytest.importorskip("wandb", reason="the wandb extra: pip install '.[wandb]' (scripts/setup.sh installs it)")
 
@@ -126,7 +126,8 @@ def test_without_wandb_installed_one_line_says_so_and_the_run_finishes(corpus, t
 
 
 def test_online_without_a_login_says_so_in_one_line(tmp_path, monkeypatch):
-    from training.wandb_sink import WandbConfig, open_wandb
+    from runconfig.monitors import WandbConfig
+    from training.wandb_sink import open_wandb
 
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)

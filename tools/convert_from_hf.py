@@ -32,7 +32,7 @@ def run_config_for(ds_config: str, overrides: list[str], model: str | None):
     """The run config and the HF directory, checked in this order: the model (from model.from_hf, or the model block
     compared with the HF config), then the TP x PP split of that model."""
     from hf.config_map import check_model_matches, read_hf_config
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
 
     config = load_run_config(ds_config, overrides, check_layout=False)
     if model is None and config.from_hf is None:

@@ -37,7 +37,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def layout(args: argparse.Namespace) -> ParallelConfig:
     """The TP x PP to run at (module docstring); DP is checked against the world here, before any process group."""
     from hf.checkpoint_reader import open_checkpoint
-    from training.config import apply_overrides, load_run_config
+    from runconfig.fields import apply_overrides
+    from runconfig.run import load_run_config
 
     if args.ds_config:
         parallel = load_run_config(args.ds_config, args.set).parallelism

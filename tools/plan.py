@@ -45,8 +45,8 @@ from planner import (
     search_layouts,
     search_to_dict,
 )
+from runconfig.run import load_run_config
 from tools.streams import deepspeed_logs_to_stderr
-from training.config import load_run_config
 
 HARDWARE_FLAGS = {  # flag -> Hardware field
     "--peak-tflops": "peak_tflops", "--memory-gib": "memory_gib", "--hbm-gbytes-per-s": "hbm_gbytes_per_s",

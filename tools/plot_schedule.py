@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from training.config import RunConfig, load_run_config
+from runconfig.run import RunConfig, load_run_config
 
 
 def schedule_table(config: RunConfig, tokens: list[float]) -> list[tuple[int, float, int]]:

@@ -17,7 +17,7 @@ from data.loader import DevicePrefetcher, MicroBatchLoader, SampleDataset, check
 from data.loss_mask import find_loss_mask, loss_mask_prefix
 from model.config import set_option
 from model.parallel import ParallelContext
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 LoaderFactory = Callable[[int], Iterator]
 
@@ -90,7 +90,7 @@ def build_datasets(config: RunConfig) -> tuple[SampleDataset, SampleDataset | No
 
 @dataclass(frozen=True)
 class DataLayout:
-    """How the run's documents become samples, the data block's defaults resolved (training/config.py DataConfig)."""
+    """How the run's documents become samples, the data block's defaults resolved (runconfig/blocks.py DataConfig)."""
 
     packing: str  # "concat", "bfd", "greedy" or "none"
     reset_attention_mask: bool

@@ -41,49 +41,8 @@ from typing import Any
 import torch
 
 from common import deepspeed_internals as ds_internals
-from training.spikes import DEFAULT_MIN_INCREASE_NATS, DEFAULT_RATIO, SpikeDetector
-
-RETIRED_KEYS = ("window", "threshold_std", "min_increase")
-"""training.spike_guard keys of the window rule, replaced by ratio and min_increase_nats (no translation: another
-rule)."""
-
-
-@dataclass
-class SpikeGuardConfig:
-    enabled: bool = False
-    """Off by default: a spike then trains like any other step (the log counts it all the same)."""
-    ratio: float = DEFAULT_RATIO
-    """r of the spike rule (training/spikes.py): a spike is a step loss above r x the EWM of recent losses..."""
-    min_increase_nats: float = DEFAULT_MIN_INCREASE_NATS
-    """...and d nats above it. Both apply to the log's spike count on every run, and to the guard when enabled."""
-    rollback: bool = False
-    """On a spike, also reload the latest checkpoint and skip the data from there to the spike (PaLM's practice)."""
-    max_rollbacks: int = 10
-    """Stop the run after this many rollbacks: spikes that come back are not a data problem."""
-
-    def __post_init__(self) -> None:
-        if self.max_rollbacks < 1:
-            raise ValueError(f"training.spike_guard.max_rollbacks must be >= 1, got {self.max_rollbacks}")
-        if not self.ratio > 1:
-            raise ValueError(f"training.spike_guard.ratio must be > 1 (a spike is a loss above ratio x its recent "
-                             f"mean), got {self.ratio}")
-        if not self.min_increase_nats >= 0:
-            raise ValueError(f"training.spike_guard.min_increase_nats must be >= 0, got {self.min_increase_nats}")
-
-    @staticmethod
-    def refuse_retired_keys(values: dict[str, Any]) -> None:
-        """A block of the window rule (a run config from before, or one saved in a checkpoint) is refused, naming
-        what replaced its keys."""
-        retired = [key for key in RETIRED_KEYS if key in values]
-        if retired:
-            raise ValueError(
-                f"training.spike_guard.{', '.join(retired)}: the window rule is gone; a spike is now a step loss "
-                f"above max(ratio x EWM, EWM + min_increase_nats) of the recent losses (training/spikes.py). Remove "
-                f"{', '.join(retired)} and set ratio (default {DEFAULT_RATIO}) and min_increase_nats (default "
-                f"{DEFAULT_MIN_INCREASE_NATS}) if the defaults do not suit")
-
-    def detector(self) -> SpikeDetector:
-        return SpikeDetector(ratio=self.ratio, min_increase_nats=self.min_increase_nats)
+from runconfig.monitors import SpikeGuardConfig
+from training.spikes import SpikeDetector
 
 
 @dataclass
@@ -110,7 +69,7 @@ class SpikeGuard:
     _limit: float | None = None
 
     def __post_init__(self) -> None:
-        self.detector = self.config.detector()
+        self.detector = SpikeDetector.of(self.config)
 
     def begin_step(self, micro_batches: int, ignore: bool = False) -> None:
         """``ignore``: the step is in the ignored start of warmup (training/spikes.py in_ignored_warmup)."""

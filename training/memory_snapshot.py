@@ -24,55 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from runconfig.monitors import MemorySnapshotConfig
 
 DIRECTORY = "memory"
 STACKS = ("python", "all")
 GIB = 2**30
 CPU_MESSAGE = ("training.memory_snapshot: not recording, memory snapshots need CUDA (torch.cuda.is_available() is "
                "False); training goes on")
-
-
-@dataclass(frozen=True)
-class MemorySnapshotConfig:
-    step: int | None = None
-    """Dump a snapshot after this optimizer step (1-based, as logged); None: only on OOM."""
-    on_oom: bool = True
-    """Dump a snapshot when a step runs out of CUDA memory, then raise the error again."""
-    stacks: str = "python"
-    """"python": Python frames only (fast dumps); "all": C++ frames too."""
-    max_entries: int = 100000
-    """The most allocator events kept in the history."""
-
-    def __post_init__(self) -> None:
-        if self.step is not None and (isinstance(self.step, bool) or self.step < 1):
-            raise ValueError(f"training.memory_snapshot.step must be a step >= 1 (1-based, as logged) or null, got "
-                             f"{self.step!r}")
-        if self.stacks not in STACKS:
-            raise ValueError(f"training.memory_snapshot.stacks must be \"python\" or \"all\", got {self.stacks!r}")
-        if self.max_entries < 1:
-            raise ValueError(f"training.memory_snapshot.max_entries must be >= 1, got {self.max_entries!r}")
-        if self.step is None and not self.on_oom:
-            raise ValueError("training.memory_snapshot has neither a step nor on_oom: it would never dump; set "
-                             "training.memory_snapshot.step or on_oom true, or remove the block")
-
-
-def snapshot_config(training: Any) -> MemorySnapshotConfig | None:
-    """``training.memory_snapshot`` of a TrainingConfig, checked (None: off); a ValueError naming the field."""
-    from training.config_fields import build_block
-
-    values = training.memory_snapshot
-    if values is None:
-        return None
-    if not isinstance(values, dict):
-        raise ValueError(f"training.memory_snapshot must be a dict like {{\"step\": 3}}, got {values!r}")
-    if not training.save:
-        raise ValueError("training.memory_snapshot writes its snapshots beside the checkpoints: set training.save")
-    return build_block(MemorySnapshotConfig, "training.memory_snapshot", values)
 
 
 def snapshot_path(save: str | Path, step: int, rank: int, oom: bool = False) -> Path:

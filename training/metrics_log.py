@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 CONSOLE_FIELDS = [
     ("step", "step {}"), ("consumed_tokens", "tokens {:,}"), ("consumed_samples", "samples {:,}"),

@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 GIB = 2**30
 SXM_PRESETS = {"H100 SXM": "h100-80gb", "H200 SXM": "h200"}
@@ -40,7 +40,7 @@ def hardware_of(value: str | dict[str, Any] | None):
     if value is None:
         return None
     from planner.hardware import GPU_PRESETS, Hardware
-    from training.config_fields import build_block
+    from runconfig.fields import build_block
 
     if isinstance(value, str):
         if value not in GPU_PRESETS:

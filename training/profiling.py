@@ -12,36 +12,15 @@ Outside the window the profiler is off: what remains is the ranges' own cost, a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common import deepspeed_internals as ds_internals
+from runconfig.monitors import ProfileConfig
 
 DIRECTORY = "profile"
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    steps: list[int]
-    """[first, last]: the 1-based optimizer steps profiled, both included."""
-    ranks: list[int] | str = field(default_factory=lambda: [0])
-    """The global ranks that profile, or "all"."""
-
-    def __post_init__(self) -> None:
-        steps = self.steps
-        if (not isinstance(steps, list) or len(steps) != 2 or not all(isinstance(s, int) for s in steps)
-                or not 1 <= steps[0] <= steps[1]):
-            raise ValueError(f"training.profile.steps must be [first, last] with 1 <= first <= last (1-based steps, "
-                             f"as logged), got {steps!r}")
-        if self.ranks != "all" and (not isinstance(self.ranks, list) or not self.ranks
-                                    or not all(isinstance(r, int) and r >= 0 for r in self.ranks)):
-            raise ValueError(f"training.profile.ranks must be a list of global ranks or \"all\", got {self.ranks!r}")
-
-    def profiles(self, rank: int) -> bool:
-        return self.ranks == "all" or rank in self.ranks
 
 
 class StepProfiler:

@@ -8,10 +8,11 @@ import socket
 import torch.distributed as dist
 
 from model.parallel import init_distributed
+from runconfig.run import RunConfig
 from training.checkpoint import Layout, ResumePoint, check_writable, prepare_resume
-from training.config import RunConfig
 from training.data import build_loader_factories, check_datasets
 from training.engine import build_engine
+from training.plan_check import hardware_of
 from training.trainer import Trainer, TrainState
 
 
@@ -39,7 +40,10 @@ def _expert_parallel_refusals(config: RunConfig) -> list[str]:
 
 
 def check_buildable(config: RunConfig) -> None:
-    """Refuse what the config can describe but the pipeline does not build yet, before data or a process group."""
+    """What the run config cannot check without training code, before data or a process group (train.py runs it with
+    the config's own checks): training.plan_hardware against the planner's GPU presets, and what the config can
+    describe but the pipeline does not build yet."""
+    hardware_of(config.training.plan_hardware)
     if config.model.moe is not None and config.parallelism.expert_parallel_size > 1:
         refusals = _expert_parallel_refusals(config)
         if refusals:

@@ -32,13 +32,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from runconfig.monitors import DEFAULT_MIN_INCREASE_NATS, DEFAULT_RATIO, SpikeGuardConfig
+
 SPAN = 9
 """The EWM's span, in steps: alpha = 2 / (SPAN + 1) (pandas' ``ewm(span=...)``, adjust=False)."""
 ALPHA = 2 / (SPAN + 1)
 IGNORED_WARMUP_FRACTION = 0.1
 """Steps that start in this first fraction of ``schedule.warmup_tokens`` are neither judged nor fed."""
-DEFAULT_RATIO = 1.2
-DEFAULT_MIN_INCREASE_NATS = 0.3
 
 
 def in_ignored_warmup(consumed_tokens: float, warmup_tokens: float) -> bool:
@@ -58,6 +58,11 @@ class SpikeDetector:
     """E: the exponentially weighted mean of the losses fed so far; None before the first."""
     spikes: int = 0
     """Spikes (non-finite steps included) seen so far."""
+
+    @classmethod
+    def of(cls, guard: SpikeGuardConfig) -> SpikeDetector:
+        """The rule of training.spike_guard's ratio and min_increase_nats."""
+        return cls(ratio=guard.ratio, min_increase_nats=guard.min_increase_nats)
 
     def limit(self) -> float | None:
         """The loss above which the next step is a spike; None while there is no EWM (nothing is judged)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model.config import GPT2_VOCAB_SIZE
-from training.config import RunConfig
+from runconfig.run import RunConfig
 
 
 def task_tokenizer(config: RunConfig):

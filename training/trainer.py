@@ -30,22 +30,23 @@ from model.checkpoint_files import tag_for_step, universal_checkpoint_info
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
 from model.parallel import ParallelContext
 from model.pipe_schedules import PIPELINE_SCHEDULE_NAMES
+from runconfig.monitors import snapshot_config
+from runconfig.run import RunConfig
+from runconfig.schedules import future_batches, pipeline_slots
 from training import checkpoint
-from training.config import RunConfig
 from training.data import describe_layout
 from training.engine import pipeline_schedule_of, set_global_batch
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
 from training.loss_normalization import clear_step_tokens, set_step_tokens, take_micro_batches
-from training.memory_snapshot import MemoryMonitor, snapshot_config
+from training.memory_snapshot import MemoryMonitor
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
 from training.plan_check import open_plan_check
 from training.profiling import StepProfiler
-from training.schedules import future_batches, pipeline_slots
-from training.spikes import in_ignored_warmup
+from training.spikes import SpikeDetector, in_ignored_warmup
 from training.stability import StabilityMonitor
 from training.task_evaluation import TaskEvaluation
 
@@ -131,7 +132,7 @@ class Trainer:
         self.plan_check = open_plan_check(config, dist.get_world_size(), self.logger.info) \
             if dist.get_rank() == 0 else None
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
-        self.spike_detector = self.spike_guard.config.detector()
+        self.spike_detector = SpikeDetector.of(self.spike_guard.config)
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class Trainer:
         """Tokens per second (in total and per GPU), the share of schedule.train_tokens done, and the seconds left to
         it (training.max_steps, when it stops the run earlier, is not counted).
 
-        The ETA counts the batches still to come, the ramp's real sizes step by step (training/schedules.py
+        The ETA counts the batches still to come, the ramp's real sizes step by step (runconfig/schedules.py
         future_batches), each at the time of its 1F1B step: the log window's seconds per pipeline slot (one
         micro-batch's forward and backward on a stage) times its micro-batches plus the pipeline's fill and drain. A
         ramp's small first batches are thus not taken for the pace of the whole run. With the noise-scale schedule,
@@ -494,7 +495,7 @@ class Trainer:
 
 
 class _Window:
-    """Samples, FLOPs, pipeline slots (training/schedules.py pipeline_slots), each step's global batch and wall time
+    """Samples, FLOPs, pipeline slots (runconfig/schedules.py pipeline_slots), each step's global batch and wall time
     since the last log line: everything between two log lines, evaluations and checkpoint stalls included."""
 
     def __init__(self) -> None:

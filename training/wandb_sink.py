@@ -23,34 +23,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.files import write_json_atomically
+from runconfig.monitors import WandbConfig
 
 MODES = ("online", "offline", "disabled")
 RUN_ID_FILE = "wandb-run.json"
 """In training.save: {"id": the W&B run id}, written by rank 0 when the W&B run starts."""
-
-
-@dataclass(frozen=True)
-class WandbConfig:
-    project: str | None = None
-    """The W&B project (None: W&B's default, "uncategorized")."""
-    name: str | None = None
-    """The run's display name (None: W&B makes one up)."""
-    group: str | None = None
-    """Groups runs in the W&B UI (e.g. the runs of one model size)."""
-    mode: str = "online"
-    """"online": stream to the W&B server (needs `wandb login` or WANDB_API_KEY); "offline": write the run's files
-    only, for `wandb sync` later; "disabled": no W&B."""
-    dir: str | None = None
-    """Where W&B writes its files, under ``wandb/`` (None: training.save, else the working directory)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"training.wandb.mode must be \"online\", \"offline\" or \"disabled\", got {self.mode!r}")
 
 
 def read_run_id(save: str | Path) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 def set_option(path: str, value: Any) -> str:
     """The --set option that gives a config field this value, as one shell word that pastes: compact JSON, quoted
-    where the shell needs it (--set reads the value as JSON: training/config.py apply_overrides).
+    where the shell needs it (--set reads the value as JSON: runconfig/fields.py apply_overrides).
 
     >>> set_option("model.num_attention_heads", 6)
     '--set model.num_attention_heads=6'

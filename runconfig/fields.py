@@ -1,5 +1,5 @@
 """Reading JSON into the run config's dataclasses: --set overrides, and the type check of every field, which names
-the field, the value and the type it takes (training/config.py builds the blocks with these)."""
+the field, the value and the type it takes (runconfig/run.py builds the blocks with these)."""
 
 from __future__ import annotations
 

@@ -16,12 +16,16 @@ Global batch size (the ramp)
     (99,311.4 samples of 2048).
 
 Both are pure functions of the token count, so their "state" is that count, which the checkpoint holds.
+
+Global batch size from the gradient noise scale (schedule.batch.type "noise_scale", NoiseScaleBatchSchedule)
+    factor x B_simple, B_simple measured by training/noise_scale.py: its state is the batch in force and the step it
+    changed, which the checkpoint holds.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -135,3 +139,78 @@ def pipeline_slots(micro_batches: int, pipeline_parallel_size: int) -> int:
     """How long a 1F1B step of ``micro_batches`` takes, in one micro-batch's forward and backward on one stage: the
     micro-batches and the pipeline's fill and drain (p - 1)."""
     return micro_batches + pipeline_parallel_size - 1
+
+
+@dataclass
+class NoiseScaleBatchSchedule:
+    """``schedule.batch.type = "noise_scale"``: the global batch follows factor x B_simple.
+
+    Before each step, ``__call__(step, noise_scale)`` returns the global batch:
+        target = floor(factor x B_simple / unit) x unit,  unit = micro-batch x DP (whole micro-batches per replica)
+        batch  = min(end, max(start, target, the current batch))     never decreasing, bounded by start and end
+    and the batch changes only if at least ``interval_steps`` steps have run since the last change (the start of
+    the run counts as one). Without a measurement (None: DP = 1, the first step, or |G|^2 not yet positive) the
+    batch stays where it is.
+    """
+
+    start: int
+    """Global batch of the first steps (schedule.batch.start)."""
+    end: int
+    """The maximum, DeepSpeed's train_batch_size."""
+    micro_batch_size: int
+    data_parallel_size: int
+    factor: float = 1.0
+    """The batch aimed for, as a multiple of the measured B_simple (schedule.batch.factor)."""
+    interval_steps: int = 1
+    """Change the batch at most every this many steps (schedule.batch.interval_steps)."""
+    batch: int = field(init=False)
+    """The batch in force (state)."""
+    last_change_step: int = field(init=False, default=0)
+    """Completed steps when the batch last changed (state)."""
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end", "micro_batch_size", "data_parallel_size", "interval_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"schedule.batch.{name} must be a positive integer, got {value!r}")
+        if not self.factor > 0:
+            raise ValueError(f"schedule.batch.factor must be positive, got {self.factor}")
+        if self.start > self.end:
+            raise ValueError(f"schedule.batch.start ({self.start}) is larger than the full batch "
+                             f"train_batch_size ({self.end})")
+        bad = [f"{name} ({value})" for name, value in (("schedule.batch.start", self.start),
+                                                        ("train_batch_size", self.end)) if value % self.unit]
+        if bad:
+            raise ValueError(f"{' and '.join(bad)} must be {'multiples' if len(bad) > 1 else 'a multiple'} of "
+                             f"micro-batch x data-parallel size = {self.micro_batch_size} x {self.data_parallel_size} "
+                             f"= {self.unit}")
+        self.batch = self.start
+
+    @property
+    def unit(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size
+
+    def target(self, noise_scale: float) -> int:
+        """factor x B_simple rounded down to a multiple of the unit, within [start, end]."""
+        wanted = self.factor * noise_scale
+        rounded = int(wanted // self.unit) * self.unit if math.isfinite(wanted) else self.end
+        return min(self.end, max(self.start, rounded))
+
+    def __call__(self, step: int, noise_scale: float | None) -> int:
+        """The global batch of the step after ``step`` completed steps, given the latest measured B_simple."""
+        if noise_scale is None or step - self.last_change_step < self.interval_steps:
+            return self.batch
+        wanted = max(self.batch, self.target(noise_scale))
+        if wanted != self.batch:
+            self.batch, self.last_change_step = wanted, step
+        return self.batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batch": self.batch, "last_change_step": self.last_change_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        batch = int(state["batch"])
+        if not self.start <= batch <= self.end or batch % self.unit:
+            raise ValueError(f"the checkpoint's noise-scale batch {batch} is not a multiple of {self.unit} within "
+                             f"[schedule.batch.start {self.start}, train_batch_size {self.end}] of this run")
+        self.batch, self.last_change_step = batch, int(state["last_change_step"])
