@@ -120,7 +120,9 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
-                 rng: RNGStream, recompute_core: bool = False) -> None:
+                 rng: RNGStream, recompute_core: bool = False, rotary: RotaryEmbedding | None = None) -> None:
+        """``rotary``: the RoPE of the model's blocks, shared so that a stage makes cos and sin once per micro-batch
+        (model/layers.py RotaryEmbedding); a new one when not given (a RoPE config)."""
         super().__init__()
         h = config.hidden_size
         self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
@@ -138,8 +140,9 @@ class SelfAttention(nn.Module):
                                        init_std=config.output_layer_init_std,
                                        seed=parameter_seed(seed, layer_number, "attention.dense"),
                                        bias=config.other_linears_have_bias)
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
-                       if config.position_embedding == "rope" else None)
+        self.rotary = None
+        if config.position_embedding == "rope":
+            self.rotary = rotary or RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
         self.q_norm = self.k_norm = None
         if config.qk_layernorm:  # per head, weights shared by the heads: partial gradients over TP
             self.q_norm, self.k_norm = head_norm(config), head_norm(config)

@@ -15,6 +15,8 @@ What flows between layers (and between pipeline stages) is documented here, once
 
 RoPE rotates q and k inside each block's attention at positions 0 .. s-1 of the sample, which is what position_ids
 holds by default (data/loader.py): so the tuple between stages stays the hidden tensor alone, for every architecture.
+The blocks share one RotaryEmbedding (``shared_rotary``): a stage makes the cos and sin table once per micro-batch,
+at its first block, and the others rotate with it.
 
 Packed samples (data.reset_attention_mask / data.reset_position_ids) add one tensor to the first stage's batch:
 
@@ -64,6 +66,7 @@ from model.init import normal_sharded_, parameter_seed
 from model.layers import (
     ColumnParallelLinear,
     RMSNorm,
+    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     partial_gradient_parameters,
@@ -231,20 +234,21 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm. In a
     sparse layer of a Mixture-of-Experts model (config.moe.is_sparse) the MLP is model/moe.py's MoEMLP.
 
-    ``rng`` is the model's tensor-parallel stream, shared by all its layers; a layer built alone gets its own.
+    ``rng`` is the model's tensor-parallel stream, shared by all its layers, and ``rotary`` its RoPE (``shared_rotary``:
+    cos and sin made once per micro-batch for a stage's blocks); a layer built alone gets its own.
     ``recompute`` is this block's mode, config.recompute_at(layer_number, PP): "full" checkpoints the whole block,
     "selective" only its attention core, "none" nothing.
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
-                 rng: RNGStream | None = None) -> None:
+                 rng: RNGStream | None = None, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
         self.recompute = config.recompute_at(layer_number, ctx.pipeline_parallel_size)
         self.ln1 = NORMS[config.norm](config)
         self.attention = SelfAttention(config, ctx, seed, layer_number, self.rng,
-                                       recompute_core=self.recompute == "selective")
+                                       recompute_core=self.recompute == "selective", rotary=rotary)
         self.ln2 = NORMS[config.norm](config)
         if config.moe is not None and config.moe.is_sparse(layer_number):
             self.mlp = MoEMLP(MoEBlock(config.moe, config.hidden_size, ctx, seed=seed, layer_number=layer_number,
@@ -295,13 +299,23 @@ class FinalRMSNorm(RMSNorm):
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
 
 
+def shared_rotary(config: ModelConfig) -> RotaryEmbedding | None:
+    """The one RoPE of a model's blocks (a RoPE config; None otherwise): each stage's blocks then rotate with the same
+    cos and sin table, made by the first block of each micro-batch (model/layers.py RotaryEmbedding)."""
+    if config.position_embedding != "rope":
+        return None
+    return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> list:
     """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled).
 
-    ``rng``: the tensor-parallel stream the blocks share (a new one seeded for this rank when not given)."""
+    ``rng``: the tensor-parallel stream the blocks share (a new one seeded for this rank when not given). The blocks
+    share one RotaryEmbedding too: a stage builds only its own blocks, so each stage holds one."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
+    rotary = shared_rotary(config)
     if config.tie_word_embeddings:
         embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed,
                             tied_weight_attr="weight")
@@ -311,7 +325,7 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
     return [
         first,
         LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed, rng),
-        *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng) for n in range(1, config.num_layers + 1)],
+        *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng, rotary) for n in range(1, config.num_layers + 1)],
         LayerSpec(FINAL_NORMS[config.norm], config, ctx, seed),
         head,
     ]
@@ -381,7 +395,8 @@ class GPT(nn.Module):
         self.word_embeddings = WordEmbedding(config, self.ctx, seed)
         self.position_embedding = POSITION_LAYERS[config.position_embedding](config, self.ctx, seed,
                                                                               self.tensor_parallel_rng)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng)
+        rotary = shared_rotary(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng, rotary)
                                     for n in range(1, config.num_layers + 1))
         self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)
         self.output_head = None if config.tie_word_embeddings else OutputHead(config, self.ctx, seed)

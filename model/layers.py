@@ -274,14 +274,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """The head_dim / 2 rotation frequencies (fp32, CPU), llama3-scaled when ``scaling`` says so.
+    """The head_dim / 2 rotation frequencies (fp32, on the host), llama3-scaled when ``scaling`` says so.
 
     The same operations as transformers' _compute_default_rope_parameters and _compute_llama3_parameters
     (modeling_rope_utils.py), so the values are bitwise theirs: long wavelengths (> original context / low_freq_factor)
     are divided by ``factor``, short ones (< original context / high_freq_factor) kept, and those between
     interpolated smoothly.
     """
-    # host: built once, on the CPU as transformers computes it (bitwise its values); rope_cos_sin moves it
+    # host: built once, on the CPU as transformers computes it (bitwise its values); the module's buffer
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=HOST).to(dtype=torch.float) / head_dim
     powers = theta ** exponents
     inv_freq = 1.0 / powers
@@ -316,7 +316,7 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, powers: torch.Tensor,
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    # host: built once on the CPU as transformers computes it (bitwise its values); rope_cos_sin moves the result
+    # host: built once on the CPU as transformers computes it (bitwise its values); the module's buffer
     dims = torch.arange(head_dim // 2, dtype=torch.float32, device=HOST)
     extrapolation = 1 - torch.clamp((dims - low) / (high - low), 0, 1)
     return (1.0 / (factor * powers)) * (1 - extrapolation) + (1.0 / powers) * extrapolation
@@ -345,7 +345,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,
     times ``scale`` (rope_attention_scaling), then cast to ``dtype`` (transformers' order of operations).
 
     Frequencies are laid out [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}]: Hugging Face Llama's non-interleaved convention,
-    whose partner of dimension i is i + d/2 (rotate_half), so Llama weights need no row permutation."""
+    whose partner of dimension i is i + d/2 (rotate_half), so Llama weights need no row permutation. ``inv_freq`` on
+    ``device`` (RotaryEmbedding's buffer) is used as it is; one on the host is copied there."""
     positions = torch.arange(offset, offset + seq_length, device=device, dtype=torch.float)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]  # (s, d/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (s, d)
@@ -371,25 +372,64 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """RoPE on this rank's q and k heads (b, heads, s, d) at positions offset .. offset + s - 1 (offset: the tokens a KV
-    cache already holds, 0 in training), or at given per-token positions; no parameters, nothing sharded.
+    cache already holds, and under context parallelism this rank's start in the sample), or at given per-token
+    positions; no parameters, nothing sharded.
 
-    The frequencies are a plain fp32 tensor, not a buffer: a bf16 cast of the model (DeepSpeed's) must not round
-    them, and a checkpoint need not hold them (they follow from the config)."""
+    The frequencies are a buffer, so they move with the module (no host-to-device copy in the step), non-persistent
+    (a checkpoint need not hold them: they follow from the config), and kept fp32 whatever the module is cast to
+    (``_apply``): a bf16 model must not round them.
+
+    cos and sin are made once per micro-batch for all the blocks of a stage: the blocks of one model share one
+    RotaryEmbedding (model/gpt.py), which keeps the last table it made with what it was made for,
+
+        key                                          the table is made again when
+        positions: the ``position_ids`` tensor       a new micro-batch's ids arrive (packed samples: positions
+          itself, or none (offset .. offset + s - 1)   restart at each document), or offset / s change (a KV cache
+        offset, s, dtype, device                       grows; context parallelism's start is the same for a rank)
+        inference mode                               a table made under torch.inference_mode would not be saved for
+                                                       a backward
+
+    A full recompute reruns its blocks' rotations in the backward pass: from the kept table when it still holds the
+    micro-batch's positions, otherwise made again by the same operations (bitwise the same values). YaRN's attention
+    factor multiplies the table once (``attention_scaling``)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (d/2,) fp32
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling), persistent=False)
         self.attention_scaling = rope_attention_scaling(scaling)  # 1, or YaRN's factor on cos and sin
+        self._table: tuple | None = None  # (key, position_ids, cos, sin): the last one made
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves as any module, but a cast (module.to(torch.bfloat16), .half()) leaves the frequencies fp32: they are
+        made again on the new device from the config (the model's build, not its step)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            frequencies = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+            self.inv_freq = frequencies.to(self.inv_freq.device)
+        self._table = None
+        return self
+
+    def cos_sin(self, length: int, dtype: torch.dtype, device: torch.device, offset: int = 0,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``position_ids`` (b, s) -> each (b, 1, s, d), or of positions offset .. offset + length - 1
+        -> each (s, d): the kept table when its key matches (class docstring)."""
+        version = None if position_ids is None else position_ids._version  # an id tensor written in place is new
+        key = (length, offset, dtype, device, torch.is_inference_mode_enabled(), version)
+        if self._table is not None and self._table[0] == key and self._table[1] is position_ids:
+            return self._table[2], self._table[3]
+        if position_ids is not None:
+            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, dtype, self.attention_scaling)
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, length, dtype, device, offset, self.attention_scaling)
+        self._table = (key, position_ids, cos, sin)
+        return cos, sin
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` (b, s): each token's position in its document (packed samples, training only);
         without, positions offset .. offset + s - 1."""
-        if position_ids is not None:
-            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, q.dtype, self.attention_scaling)  # (b, 1, s, d)
-        else:  # each (s, d)
-            cos, sin = rope_cos_sin(self.inv_freq, q.shape[-2], q.dtype, q.device, offset, self.attention_scaling)
+        cos, sin = self.cos_sin(q.shape[-2], q.dtype, q.device, offset, position_ids)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def extra_repr(self) -> str:
