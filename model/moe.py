@@ -30,9 +30,10 @@ n = assignments kept (T k when dropless), m = assignments received from the EP g
     step                                                         shape
     1 enter the TP region: copy, or all-gather the sequence      (b, s, h) or (b, s/R, h) -> tokens (T, h), the same on
                                                                  every TP rank of this EP rank
-    2 route in fp32: logits, scores, top-k, gate weights         (T, E), (T, E), experts (T, k), weights (T, k)
+    2 route in fp32: logits, scores, top-k, gate weights; counts (T, E), (T, E), experts (T, k), weights (T, k),
+      per expert (one histogram, on the device)                  tokens_per_expert (E,)
     3 sort the assignments by expert (stable: token order kept)  order (n,), counts (E,); rows tokens[order // k] (n, h)
-    4 all-to-all the counts over EP                              (P, E_l): rows from rank q for local expert j
+    4 all-to-all the counts over EP, read them on the host       (P, E_l): rows from rank q for local expert j
     5 all-to-all the rows, uneven splits                         (n, h) -> (m, h), by source rank, then expert
     6 regroup by local expert (stable), run each expert          (m, h) -> (m, h), partial over TP
     7 ungroup, reverse all-to-all                                (m, h) -> (n, h)
@@ -44,9 +45,13 @@ Each token's output is its own k rows, weighted and summed in a fixed order, so 
 expert's rows arrive from rank 0, 1, ... in token order, the order of the unsplit block over the ranks' tokens
 concatenated. Only the matmul blocking of different row counts can change last bits. The experts run one matmul
 pair per local expert on its contiguous rows (Experts.forward), exact; on CUDA in bf16, torch's grouped GEMM
-(torch.nn.functional.grouped_mm: one kernel for all local experts, jagged rows by offsets) instead. The two give the
+(model/grouped_gemm.py: one kernel for all local experts, each group padded to 16 bytes) instead. The two give the
 same bits on CPU, forward and backward (tests/test_moe.py); on CPU the loop is the faster (1.35 s against 1.78 s
 for a forward and backward at h 1024, F 1024, 8 experts, 4,096 rows, one thread).
+
+Host reads (what stops a CUDA stream, tests/host_syncs.py): none at EP 1 on the grouped GEMM, whose group ends are a
+cumsum on the device (the loop reads the counts once); at EP > 1 one, step 4's split sizes, which the all-to-all of
+the rows takes on the host (Megatron-LM's dispatcher reads them too); a capacity adds one, the number kept.
 The aux and z losses and the counts are over this EP rank's tokens, as a data-parallel replica's loss is over its
 own: an EP rank is a data-parallel rank, with the same data at any EP.
 
@@ -74,6 +79,7 @@ from torch import nn
 
 from common import deepspeed_internals as ds_internals
 from model.config import MoEConfig
+from model.grouped_gemm import grouped_swiglu, use_grouped_gemm
 from model.init import normal_sharded_, parameter_seed
 from model.layers import mark_partial_over_tensor_parallel, mark_tensor_parallel
 from model.parallel import ParallelContext
@@ -129,6 +135,14 @@ def top_k_experts(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def expert_histogram(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64: how many entries of ``experts`` (any shape) name each expert. A scatter-add into E zeros on the
+    device: torch.bincount reads its input's min and max on the host first, to size its output (two syncs on CUDA)."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Module):
     """logits = tokens @ weight^T in fp32; softmax (or sigmoid) scores; top-k; gate weights; aux and z losses."""
 
@@ -154,7 +168,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, experts)  # (T, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts)  # (E,)
+        tokens_per_expert = expert_histogram(experts, self.num_experts)  # (E,), the dispatch's too
         routed_fraction = tokens_per_expert.float() / experts.numel()  # f_e, sums to 1
         aux_loss = self.num_experts * (routed_fraction * probabilities.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
@@ -191,20 +205,6 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
     return F.linear(F.silu(gate) * up, down)  # (n, h), partial over TP
 
 
-def use_grouped_gemm(rows: torch.Tensor) -> bool:
-    """torch's grouped GEMM where it has kernels for it: CUDA, bf16 (SM 80 and newer)."""
-    return rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
-
-
-def grouped_swiglu(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The experts' SwiGLU over their contiguous rows in two grouped matmuls: rows (m, h) in expert order, counts[j]
-    of expert j, gate_up [E_l, 2 F/R, h], down [E_l, h, F/R] -> (m, h). The offsets (int32, each group's end) are
-    made on the rows' device."""
-    offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
-    gate, up = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
-
-
 class Experts(nn.Module):
     """This EP rank's E_l SwiGLU experts, global indices [first, first + E_l), each TP-sharded as SwiGLUMLP."""
 
@@ -212,6 +212,12 @@ class Experts(nn.Module):
                  init_std: float, output_init_std: float, seed: int, layer_number: int) -> None:
         super().__init__()
         self.first, self.ffn, self.num_experts = first, moe.moe_ffn_hidden_size, moe.num_experts
+        self.kernel = "auto"
+        """The experts' matmuls: "auto" (torch's grouped GEMM on CUDA in bf16, one matmul pair per expert
+        elsewhere), or "grouped" / "loop" anywhere (benchmarks/bench_moe.py times both; tests/host_syncs.py runs
+        CUDA's kernel on CPU)."""
+        self.alignment: int | None = None
+        """Rows per group of the grouped GEMM (None: grouped_alignment, what the kernel needs on the device)."""
         self.awaiting_files = False
         """Loaded from a layer file without experts (written at EP > 1): they are still to come from the expert
         files (training/expert_checkpoint.py restore_experts); forward refuses to run until they have."""
@@ -259,19 +265,28 @@ class Experts(nn.Module):
                                       local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self.awaiting_files = False
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows (m, h) grouped by local expert, counts[j] of expert j -> (m, h), partial over TP. One matmul pair
-        per expert on its contiguous slice: exact, and an expert with no rows still gets a (zero) gradient. unbind,
-        not self.gate_up[local]: its backward stacks the E_l gradients once, where each indexing's backward would
-        write a zero-filled [E_l, ...] gradient and autograd add the E_l of them (the same values, bit for bit;
-        benchmarks/bench_moe.py: 1.34 s -> 0.96 s per step at h 1024, F 1024, 8 experts, top 2)."""
+    def runs_grouped(self, rows: torch.Tensor) -> bool:
+        """Whether ``forward`` takes torch's grouped GEMM for these rows (``kernel``)."""
+        return self.kernel == "grouped" or (self.kernel == "auto" and use_grouped_gemm(rows))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """rows (m, h) grouped by local expert, counts[j] of expert j (E_l,) -> (m, h), partial over TP.
+
+        The grouped GEMM (``runs_grouped``) takes the counts on the rows' device and reads nothing on the host. The
+        loop runs one matmul pair per expert on its contiguous slice: exact, and an expert with no rows still gets a
+        (zero) gradient; it needs the counts on the host (one read of a device tensor, free on a CPU; a list is used
+        as it is). unbind, not self.gate_up[local]: its backward stacks the E_l gradients once, where each
+        indexing's backward would write a zero-filled [E_l, ...] gradient and autograd add the E_l of them (the same
+        values, bit for bit; benchmarks/bench_moe.py: 1.34 s -> 0.96 s per step at h 1024, F 1024, 8 experts,
+        top 2)."""
         if self.awaiting_files:
             raise RuntimeError(f"experts [{self.first}, {self.first + self.gate_up.shape[0]}) were loaded from a "
                                f"layer file written at expert_parallel_size > 1 but not from their expert files: "
                                f"call training/expert_checkpoint.py restore_experts after the load")
-        if use_grouped_gemm(rows):
-            return grouped_swiglu(rows, counts, self.gate_up, self.down)
-        experts = zip(rows.split(counts), self.gate_up.unbind(0), self.down.unbind(0), strict=True)
+        if self.runs_grouped(rows):
+            return grouped_swiglu(rows, counts, self.gate_up, self.down, self.alignment)
+        sizes = counts if isinstance(counts, list) else counts.tolist()
+        experts = zip(rows.split(sizes), self.gate_up.unbind(0), self.down.unbind(0), strict=True)
         outputs = [_swiglu(chunk, gate_up, down) for chunk, gate_up, down in experts]
         return torch.cat(outputs)
 
@@ -314,13 +329,14 @@ class SharedExpert(nn.Module):
 # --------------------------------------------------------------------------------------------------- the dispatch
 
 
-def sort_assignments(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                     capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_assignments(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None,
+                     routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept assignments of (T, k) ``experts`` as flat indices into T k, sorted by expert then token (stable),
-    their count per expert (E,), and the number dropped (()). With a capacity C, an expert keeps its C assignments of
-    highest weight, ties to the earlier one."""
+    their count per expert (E,), and the number dropped (()). ``routed`` (E,): the assignments per expert, the
+    router's tokens_per_expert (counted here when not given). With a capacity C, an expert keeps its C assignments
+    of highest weight, ties to the earlier one: how many are kept sizes the output, one read on the host."""
     flat = experts.reshape(-1)  # (T k,)
-    routed = torch.bincount(flat, minlength=num_experts)  # (E,)
+    routed = expert_histogram(flat, num_experts) if routed is None else routed  # (E,)
     if capacity is None:
         return torch.argsort(flat, stable=True), routed, routed.new_zeros(())
     by_priority = torch.argsort(weights.reshape(-1), descending=True, stable=True)
@@ -395,7 +411,8 @@ class MoEBlock(nn.Module):
         tokens = tokens.reshape(-1, shape[-1])  # (T, h)
         routing = self.router(tokens)
         capacity = self.moe.capacity(tokens.shape[0])
-        order, counts, dropped = sort_assignments(routing.experts, routing.weights, self.moe.num_experts, capacity)
+        order, counts, dropped = sort_assignments(routing.experts, routing.weights, self.moe.num_experts, capacity,
+                                                  routing.tokens_per_expert)
         rows = tokens[order // self.moe.top_k]  # (n, h), by expert
         outputs = combine(self._run_experts(rows, counts), order, routing.weights.to(x.dtype))  # (T, h), partial
         if self.shared_expert is not None:
@@ -412,15 +429,19 @@ class MoEBlock(nn.Module):
         row computed by the EP rank that owns its expert (steps 4 to 7)."""
         ranks, local = self.expert_parallel_size, self.local_experts
         if ranks == 1:
-            return self.experts(rows, counts.tolist())
+            return self.experts(rows, counts)  # on the device: the grouped GEMM reads nothing
         received = all_to_all(counts, [local] * ranks, [local] * ranks, self.expert_group).view(ranks, local)
-        sent_host, received_host = torch.stack([counts.view(ranks, local), received]).tolist()  # one host copy
+        # The block's one read: the all-to-all's split sizes, per rank and expert (the loop's sizes come with them).
+        sent_host, received_host = torch.stack([counts.view(ranks, local), received]).tolist()
         send_splits, receive_splits = [sum(c) for c in sent_host], [sum(c) for c in received_host]
         arrived = all_to_all(rows, receive_splits, send_splits, self.expert_group)  # (m, h): by source, then expert
         expert_of_row = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(
             received.reshape(-1), output_size=arrived.shape[0])
         by_expert = torch.argsort(expert_of_row, stable=True)  # sources in rank order within each expert
-        computed = self.experts(arrived[by_expert], received.sum(dim=0).tolist())
+        local_counts = received.sum(dim=0)  # (E_l,) on the device, for the grouped GEMM
+        if not self.experts.runs_grouped(arrived):
+            local_counts = [sum(column) for column in zip(*received_host, strict=True)]
+        computed = self.experts(arrived[by_expert], local_counts)
         back = computed[torch.argsort(by_expert)]  # (m, h) by source again
         return all_to_all(back, send_splits, receive_splits, self.expert_group)  # (n, h)
 
