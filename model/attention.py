@@ -246,27 +246,53 @@ def head_norm(config: ModelConfig) -> nn.Module:
     return RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
 
 
+PROBE_MIN_ROWS = 64
+"""The fewest query rows the probe scores at once: from 4 rows on, a CPU's BLAS blocks the matmul as it blocks the
+whole one (under 4 it sums in another order), so the maximum is bitwise the unchunked one's."""
+
 
 def largest_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
                   max_scores: int = 2**26) -> torch.Tensor:
     """The largest attention logit q.k / sqrt(d) over the pairs attention computes (query i, key j <= i; with
     ``segment_ids``, of the same document too), fp32, on the device: q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g
-    query heads per key head (training only: no cache). The scores are formed a few heads at a time, at most
-    ``max_scores`` fp32 values (256 MiB) at once, whatever s is."""
+    query heads per key head (training only: no cache).
+
+    The scores are formed a chunk at a time, whole heads while they fit, else query rows of one head (at least
+    PROBE_MIN_ROWS): a chunk's fp32 scores, their mask and its fp32 keys and queries hold at most ``max_scores`` x 4
+    bytes (256 MiB) at any s, as long as one head's keys (s d fp32) and PROBE_MIN_ROWS rows leave room (s = 128k,
+    d = 128: 64 MiB of keys, 300 rows at once)."""
     q, k = q.detach(), k.detach()
-    heads, queries_per_group, length = q.shape[1], q.shape[1] // k.shape[1], q.shape[-2]
-    if segment_ids is None:
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
-    else:
-        future = ~document_mask(segment_ids)  # (b, 1, s, s): the future and the other documents
-    chunk = max(1, max_scores // (q.shape[0] * length * length))
-    largest = torch.tensor(float("-inf"), device=q.device)
-    for start in range(0, heads, chunk):
-        head_ids = torch.arange(start, min(start + chunk, heads), device=q.device)
-        keys = k[:, head_ids // queries_per_group].float()  # query head j reads key head j // (nh/g)
-        scores = q[:, head_ids].float() @ keys.transpose(-1, -2) / k.shape[-1] ** 0.5  # (b, chunk, s, s)
-        largest = torch.maximum(largest, scores.masked_fill_(future, float("-inf")).amax())
+    batch, heads, length, dim = q.shape
+    queries_per_group, budget = heads // k.shape[1], max_scores * 4
+    per_row = batch * (length * 5 + dim * 4)  # one query row of one head: fp32 scores and a bool mask, its query
+    keys = batch * length * dim * 4  # one head's fp32 keys
+    head_chunk = max(1, min(heads, budget // (length * per_row + keys)))
+    row_chunk = length if head_chunk > 1 else min(length, max(PROBE_MIN_ROWS, (budget - keys) // per_row))
+    largest = torch.full((), float("-inf"), device=q.device)
+    for start in range(0, heads, head_chunk):
+        head_ids = torch.arange(start, min(start + head_chunk, heads), device=q.device)
+        keys_t = k[:, head_ids // queries_per_group].float().transpose(-1, -2)  # (b, chunk, d, s): j // (nh/g)
+        for first in range(0, length, row_chunk):
+            rows = slice(first, min(first + row_chunk, length))
+            largest = torch.maximum(largest, _chunk_max(q[:, head_ids, rows], keys_t, rows, segment_ids))
     return largest
+
+
+def _chunk_max(q: torch.Tensor, keys_t: torch.Tensor, rows: slice, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """The largest attended logit of one chunk (its scores die on return, before the next chunk's are made)."""
+    scores = (q.float() @ keys_t).div_(q.shape[-1] ** 0.5)  # (b, chunk, rows, s) fp32
+    return scores.masked_fill_(_unattended(rows, keys_t.shape[-1], segment_ids, q.device), float("-inf")).amax()
+
+
+def _unattended(rows: slice, length: int, segment_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """True where query i (in ``rows``) does not see key j: j > i, or another document. (rows, s), or (b, 1, rows, s)
+    with ``segment_ids``: the rows of ``document_mask``'s complement."""
+    queries = torch.arange(rows.start, rows.stop, device=device)
+    future = torch.arange(length, device=device)[None, :] > queries[:, None]  # (rows, s)
+    if segment_ids is None:
+        return future
+    other_document = segment_ids[:, rows, None] != segment_ids[:, None, :]  # (b, rows, s)
+    return other_document.bitwise_or_(future).unsqueeze(1)
 
 
 @contextmanager
@@ -276,7 +302,7 @@ def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]
     attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
     found: dict[int, torch.Tensor] = {}
     for attention in attentions:
-        attention.max_logit = torch.tensor(float("-inf"), device=attention.dense.weight.device)
+        attention.max_logit = torch.full((), float("-inf"), device=attention.dense.weight.device)
     try:
         yield found
     finally:
