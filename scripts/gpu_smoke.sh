@@ -18,6 +18,9 @@
 #      The 125m run dumps a CUDA memory snapshot after step 3 (training.memory_snapshot, Python stacks), checked
 #      for its segments and allocation history; both runs log measured / planned at every step (training.plan_hardware);
 #      document masks on packed samples with FlexAttention (model.attention_backend "flex") against SDPA's reference;
+#      the host synchronisations (torch.cuda.set_sync_debug_mode) of a dense and a sparse Llama block of 125m's shape,
+#      forward and backward, and of every training step, by owner (model, training, DeepSpeed): each run prints a
+#      "[host-syncs]" line per step (scripts/gpu_smoke_syncs.py);
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
 #      figure; exits 1 if any failed.
@@ -84,6 +87,7 @@ if [ "$BUILD_WHEELS" = 1 ]; then
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
+export GPU_SMOKE_HOST_SYNCS=1  # every training step's host synchronisations, printed (scripts/gpu_smoke_train.py)
 if [ "$ALLOW_CPU" = 1 ]; then export DS_ACCELERATOR=cpu; fi
 
 echo "== 1. install and check"
@@ -175,6 +179,8 @@ run "$PY" "${CHECK[@]}" resume "$RUN" 4 "$CKPT/metrics.jsonl" "$RUN/125m-stopped
 run "$PY" "${CHECK[@]}" stall "$RUN" 5 --sync-log "$RUN/125m-stopped.log" --async-log "$RUN/125m.log" || true
 run "$PY" "${CHECK[@]}" memory-snapshot "$RUN" 7 "$CKPT/memory/snapshot_step${SNAPSHOT_STEP}_rank0.pickle" || true
 run "$PY" "${CHECK[@]}" document-masks "$RUN" 8 ds_configs/125m.json "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" || true
+run "$PY" "${CHECK[@]}" host-syncs "$RUN" 9 ds_configs/125m.json --train-log "$RUN/125m.log" "${RUN_SETS[@]}" \
+    "${EXTRA_SETS[@]}" || true
 GPUS=1
 if [ "$DRY_RUN" = 0 ]; then GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" || echo 0); fi
 if [ "$GPUS" -ge 2 ]; then
@@ -189,4 +195,4 @@ fi
 
 echo "== 6. measured beside tools/plan.py's prediction, and every check"
 run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" || true
-run "$PY" "${CHECK[@]}" summary "$RUN" 8 "${CONFIGS[@]}"
+run "$PY" "${CHECK[@]}" summary "$RUN" 9 "${CONFIGS[@]}"

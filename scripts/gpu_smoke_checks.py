@@ -22,6 +22,10 @@
     memory-snapshot         the 125m run's training.memory_snapshot at step 3         the pickle holds segments and
                             (torch.cuda.memory._dump_snapshot, Python stacks)         allocation events with Python
                                                                                       frames
+    host-syncs              a dense and a sparse Llama block of the config, bf16,     every block 0; the grouped GEMM
+                            their host syncs forward and backward (torch.cuda.        within 2e-2 of the loop; the
+                            set_sync_debug_mode), and the 125m run's per step         model 0 in every step after the
+                            (scripts/gpu_smoke_syncs.py)                              first
     skip                    a part that cannot run here, with the reason              (always "skip")
 
 Each record is RUN/checks/<NN>-<name>.json: {"check", "status": "pass" | "fail" | "skip", "figure"}. `summary RUN`
@@ -342,6 +346,12 @@ def summary(run: Path, configs: list[str], expected: int) -> int:
     return 1 if failed else 0
 
 
+def _host_syncs(args: argparse.Namespace) -> tuple[str, str]:
+    from gpu_smoke_syncs import host_syncs  # scripts/gpu_smoke_syncs.py, beside this file
+
+    return host_syncs(args.ds_config, args.set, args.train_log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -352,12 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "resume": ["run", "order", "straight", "stopped", "resumed"],
                             "skip": ["run", "order", "check", "reason"], "summary": ["run", "expected"],
                             "memory-snapshot": ["run", "order", "snapshot"],
-                            "document-masks": ["run", "order", "ds_config"]}.items():
+                            "document-masks": ["run", "order", "ds_config"],
+                            "host-syncs": ["run", "order", "ds_config"]}.items():
         command = commands.add_parser(name)
         for argument in arguments:
             command.add_argument(argument)
     commands.choices["flash"].add_argument("--set", action="append", default=[])
     commands.choices["document-masks"].add_argument("--set", action="append", default=[])
+    commands.choices["host-syncs"].add_argument("--set", action="append", default=[])
+    commands.choices["host-syncs"].add_argument("--train-log", type=Path, required=True)
     commands.choices["hflm"].add_argument("--tasks", required=True)
     commands.choices["hflm"].add_argument("--limit", type=float, default=None)
     commands.choices["hf-generate"].add_argument("--prompt", action="append", required=True)
@@ -394,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                                     *memory_snapshot(Path(args.snapshot))),
         "document-masks": lambda: ("document masks: FlexAttention against SDPA",
                                    *document_masks(args.ds_config, args.set)),
+        "host-syncs": lambda: ("host synchronisations per block and step", *_host_syncs(args)),
         "skip": lambda: (args.check, "skip", args.reason),
     }
     check, status, figure = checks[args.command]()

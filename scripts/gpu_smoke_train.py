@@ -7,6 +7,9 @@ peak of each log window: training/memory_snapshot.py).
 Takes exactly train.py's arguments and exit status. After the run, each rank prints one line
     [memory] rank 0 | peak allocated 12.34 GiB | peak reserved 13.00 GiB | device NVIDIA H200
 (torch.cuda.max_memory_allocated / max_memory_reserved over the whole run); on CPU it prints nothing.
+With GPU_SMOKE_HOST_SYNCS=1 each rank also prints a line per step, its host synchronisations by owner
+(scripts/gpu_smoke_syncs.py; torch.cuda.set_sync_debug_mode on CUDA, tests/host_syncs.py's audit on CPU):
+    [host-syncs] rank 0 | step 5 | 9 syncs | model 0 | training 4 | deepspeed 5 | other 0 | model at: -
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ def memory_line() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = train.main(argv)
+    finish = None
+    if os.environ.get("GPU_SMOKE_HOST_SYNCS") == "1":
+        from gpu_smoke_syncs import count_steps  # beside this file
+
+        finish = count_steps(int(os.environ.get("RANK", "0")))
+    try:
+        status = train.main(argv)
+    finally:
+        if finish is not None:
+            finish()
     line = memory_line()
     if line:
         print(line, flush=True)

@@ -224,6 +224,29 @@ class _Ops(TorchDispatchMode):
             self.audit.record("copy", f"{name} with a host tensor", 1)
 
 
+def origin(frame) -> tuple[str, str, bool]:
+    """Who asked, from ``frame`` outwards: (owner, where, whether an autograd backward call was on the way) of the
+    innermost frame that is neither torch's, the standard library's nor this module's. The owner is "deepspeed", a
+    project package (PACKAGES; train.py is "training"), "harness" (tests/, scripts/, benchmarks/) or "other"."""
+    from_autograd = False
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(SKIPPED):
+            from_autograd |= frame.f_code.co_name in ("backward", "_engine_run_backward")
+            frame = frame.f_back
+            continue
+        where, resolved = f"{path}:{frame.f_lineno} {frame.f_code.co_name}", Path(path).resolve()
+        if "deepspeed" in resolved.parts:
+            return "deepspeed", where, from_autograd
+        if "site-packages" in resolved.parts or not resolved.is_relative_to(ROOT):
+            return "other", where, from_autograd
+        relative = resolved.relative_to(ROOT)
+        top = relative.parts[0].removesuffix(".py")
+        owner = "training" if top == "train" else top if top in PACKAGES else "harness"
+        return owner, f"{relative}:{frame.f_lineno} {frame.f_code.co_name}", from_autograd
+    return "other", "?", from_autograd
+
+
 class HostSyncAudit:
     """Inside, every read and copy (module docstring) is an Event in ``events``; ``modules`` are the watched ones
     (their plain tensor attributes are host tensors, their TransformerLayers scopes, their experts run the CUDA
@@ -238,7 +261,7 @@ class HostSyncAudit:
 
     # -- recording -----------------------------------------------------------------------------------------------
     def record(self, kind: str, op: str, syncs: int) -> None:
-        owner, where, from_autograd = self._origin()
+        owner, where, from_autograd = origin(sys._getframe(1))
         if self._scope is not None and (owner in PACKAGES or from_autograd):
             scope = self._scope
         elif owner == "deepspeed" and from_autograd:
@@ -246,27 +269,6 @@ class HostSyncAudit:
         else:
             scope = owner
         self.events.append(Event(kind, op, syncs, scope, where, self.step))
-
-    def _origin(self) -> tuple[str, str, bool]:
-        """(owner, where, reached through an autograd backward call) of the innermost frame that is not torch's."""
-        frame, from_autograd = sys._getframe(1), False
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if path.startswith(SKIPPED):
-                from_autograd |= frame.f_code.co_name in ("backward", "_engine_run_backward")
-                frame = frame.f_back
-                continue
-            where = f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
-            parts = Path(path).resolve().parts
-            if "deepspeed" in parts:
-                return "deepspeed", where, from_autograd
-            if "site-packages" in parts or not Path(path).resolve().is_relative_to(ROOT):
-                return "other", where, from_autograd
-            relative = Path(path).resolve().relative_to(ROOT)
-            top = relative.parts[0].removesuffix(".py")
-            owner = "training" if top == "train" else top if top in PACKAGES else "harness"
-            return owner, f"{relative}:{frame.f_lineno} {frame.f_code.co_name}", from_autograd
-        return "other", "?", from_autograd
 
     # -- summaries -----------------------------------------------------------------------------------------------
     def syncs(self, scope_prefix: str = "", kind: str | None = None, step: int | None = None) -> int:
@@ -337,3 +339,40 @@ class HostSyncAudit:
     def _end_backward(self, scope: str) -> None:
         if self._scope == scope:  # the block below may have begun already (its output is this block's input)
             self._scope = None
+
+
+class CudaSyncCounter:
+    """The same count on a GPU, by torch itself: inside, ``torch.cuda.set_sync_debug_mode("warn")`` makes every
+    synchronising CUDA call warn, and each warning is an event (owner, where) charged as HostSyncAudit charges its
+    own (``origin``; an op of the graph that DeepSpeed's backward call runs is the model's). A backward's warnings
+    are raised on the calling thread when it returns, so they carry its caller."""
+
+    MESSAGE = "called a synchronizing CUDA operation"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def syncs(self, owner: str | None = None) -> int:
+        return sum(owner in (None, event_owner) for event_owner, _ in self.events)
+
+    def __enter__(self) -> CudaSyncCounter:
+        import warnings
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("always", message=f".*{self.MESSAGE}")
+        self._show, warnings.showwarning = warnings.showwarning, self._warned
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._warnings.__exit__(*exc)
+
+    def _warned(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if self.MESSAGE not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        owner, where, from_autograd = origin(sys._getframe(1))
+        self.events.append(("model" if owner == "deepspeed" and from_autograd else owner, where))

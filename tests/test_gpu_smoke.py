@@ -149,10 +149,12 @@ def test_dry_run_stops_and_resumes_the_125m_run_in_one_checkpoint_directory(dry_
     commands = [w for w in dry_run if any(Path(word).name == "gpu_smoke_checks.py" for word in w)]
     names = [words[2] for words in commands]
     assert names == ["flash", "hflm", "compare-eval", "hf-generate", "compare-generate", "resume", "stall",
-                     "memory-snapshot", "document-masks", "skip", "summary"]
+                     "memory-snapshot", "document-masks", "host-syncs", "skip", "summary"]
     parsed = [checks.build_parser().parse_args(words[2:]) for words in commands]  # each parses as the script runs it
     orders = sorted(int(args.order) for args in parsed if hasattr(args, "order"))
-    assert orders == list(range(1, 9)) and parsed[-1].expected == "8"  # the summary expects every record
+    assert orders == list(range(1, 10)) and parsed[-1].expected == "9"  # the summary expects every record
+    syncs = parsed[names.index("host-syncs")]  # the 125m run's log, where gpu_smoke_train.py prints each step's
+    assert syncs.train_log == Path("runs/gpu_smoke/125m.log") and syncs.ds_config == "ds_configs/125m.json"
     snapshot = parsed[names.index("memory-snapshot")].snapshot  # where the 125m run's trainer dumps it
     assert snapshot == "runs/gpu_smoke/125m/memory/snapshot_step3_rank0.pickle"
     assert [config.training.memory_snapshot for config in (stopped, resumed)] == [None, None]
@@ -251,3 +253,47 @@ def test_the_document_mask_check_runs_its_comparison_forward_on_cpu() -> None:
     found = checks.compare_attention_backends(preset("tiny", seq_length=128), 2, 50256, 1234, torch.device("cpu"),
                                               backward=False)
     assert found["logits_error"] < 1e-6 and found["documents"] > 2 * 4, found
+
+
+# -- host synchronisations (scripts/gpu_smoke_syncs.py) ----------------------------------------------------------------
+
+import gpu_smoke_syncs as syncs  # noqa: E402
+
+
+def test_the_host_sync_check_counts_its_blocks_on_cpu():
+    """The check's own code on CPU: its dense and sparse Llama blocks (the tiny preset's shape), counted by
+    tests/host_syncs.py's audit where the GPU counts with torch.cuda.set_sync_debug_mode: no sync, forward or
+    backward, and the grouped GEMM equal to the loop (bitwise on CPU). Only the kernels are left to the GPU."""
+    import torch
+
+    from model.config import preset
+    from tests.host_syncs import HostSyncAudit
+
+    found = syncs.block_syncs(preset("tiny", seq_length=16), 2, 0, torch.device("cpu"), torch.float32, HostSyncAudit)
+    assert found == {"dense forward": 0, "dense backward": 0, "sparse forward": 0, "sparse backward": 0,
+                     "kernel": "loop", "grouped_vs_loop": 0.0}  # the CPU's own choice is the loop
+
+
+def test_the_host_sync_judge_reads_the_step_lines(tmp_path):
+    from tests.host_syncs import Event
+
+    class Counted:  # what HostSyncAudit leaves: events charged to a scope
+        events = [Event("read", "tolist", 1, "deepspeed", "engine.py:1 step", None),
+                  Event("read", "item", 1, "training", "trainer.py:2 train_step", None)]
+
+    log = tmp_path / "125m.log"
+    log.write_text("".join(syncs.step_line(0, step, Counted()) + "\n" for step in (1, 2, 3)) + "[train] step 3 |\n")
+    lines = syncs.read_step_lines(log)
+    assert lines[1] == {"rank": 0, "step": 2, "syncs": 2, "model": 0, "training": 1, "deepspeed": 1, "other": 0}
+    blocks = {"dense forward": 0, "dense backward": 0, "sparse forward": 0, "sparse backward": 0,
+              "kernel": "grouped", "grouped_vs_loop": 4e-3}
+    status, figure = syncs.judge(blocks, lines, 8, 2048)
+    assert status == "pass" and "steps 2-3: median 2 syncs a step (model 0, training 1, deepspeed 1)" in figure
+    assert syncs.judge({**blocks, "sparse forward": 1}, lines, 8, 2048)[0] == "fail"
+    assert syncs.judge({**blocks, "kernel": "loop", "sparse forward": 1}, lines, 8, 2048)[0] == "pass"  # its read
+    Counted.events = [*Counted.events, Event("read", "item", 1, "block 2 sparse forward", "moe.py:3 f", None)]
+    log.write_text(syncs.step_line(0, 2, Counted()) + "\n")
+    status, figure = syncs.judge(blocks, syncs.read_step_lines(log), 8, 2048)
+    assert status == "fail" and "the model synchronised in steps [2]" in figure
+    assert "model at: moe.py:3 f x1" in log.read_text()
+    assert syncs.judge(blocks, [], 8, 2048)[0] == "fail"  # no step line: the run did not count
