@@ -52,11 +52,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from common.device import HOST
+from model.grouped_gemm import GROUPED_GEMM_ALIGNMENT_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "data", "model", "hf", "planner", "evaluation", "training", "lab", "tools")
 SKIPPED = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__), __file__)
-CUDA_ALIGNMENT_BYTES = 16  # torch's grouped GEMM on CUDA: every group starts 16 bytes apart (model/moe.py)
 
 READ_OPS = {"_local_scalar_dense": 1, "equal": 1, "bincount": 2, "nonzero": 1, "_unique": 1, "_unique2": 1,
             "unique_dim": 1, "unique_consecutive": 1, "masked_select": 1}
@@ -204,15 +204,14 @@ class _Ops(TorchDispatchMode):
 
     def _inspect(self, func, args, kwargs, tensors) -> None:
         name = func.overloadpacket.__name__
-        host = [_on_host(t) for t in tensors]
-        if name == "_local_scalar_dense" and not _on_host(args[0]):
-            self.audit.record("read", name, 1)
+        if name in READ_OPS:  # a 0-d device tensor's item() too
+            if not _on_host(args[0]):
+                self.audit.record("read", name, READ_OPS[name])
             return
+        host = [_on_host(t) for t in tensors]
         if all(host):
             return  # host work, or no tensor: nothing waits for the device
-        if name in READ_OPS:
-            self.audit.record("read", name, READ_OPS[name])
-        elif name in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        if name in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                                           for i in args[1] if i is not None):
             self.audit.record("read", f"{name} with a bool mask", 1)
         elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
@@ -271,10 +270,6 @@ class HostSyncAudit:
         self.events.append(Event(kind, op, syncs, scope, where, self.step))
 
     # -- summaries -----------------------------------------------------------------------------------------------
-    def syncs(self, scope_prefix: str = "", kind: str | None = None, step: int | None = None) -> int:
-        return sum(e.syncs for e in self.events if e.scope.startswith(scope_prefix) and kind in (None, e.kind)
-                   and step in (None, e.step))
-
     def table(self) -> dict[str, dict[str, int]]:
         """{scope: {"read": syncs, "copy": syncs}}."""
         found: dict[str, Counter] = {}
@@ -296,7 +291,7 @@ class HostSyncAudit:
                     _place(value, True)  # not a parameter nor a buffer: left on the host by module.to(device)
             if isinstance(module, Experts):
                 self._set(module, "kernel", "grouped")
-                self._set(module, "alignment", CUDA_ALIGNMENT_BYTES // module.gate_up.element_size())
+                self._set(module, "alignment", GROUPED_GEMM_ALIGNMENT_BYTES // module.gate_up.element_size())
             if isinstance(module, TransformerLayer):
                 name = f"block {module.layer_number} {'sparse' if isinstance(module.mlp, MoEMLP) else 'dense'}"
                 self._handles += [module.register_forward_pre_hook(self._entering(name)),
@@ -351,9 +346,7 @@ class CudaSyncCounter:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
-
-    def syncs(self, owner: str | None = None) -> int:
-        return sum(owner in (None, event_owner) for event_owner, _ in self.events)
+        """(owner, where) of each synchronisation."""
 
     def __enter__(self) -> CudaSyncCounter:
         import warnings
