@@ -18,8 +18,8 @@
 #      The 125m run dumps a CUDA memory snapshot after step 3 (training.memory_snapshot, Python stacks), checked
 #      for its segments and allocation history; both runs log measured / planned at every step (training.plan_hardware);
 #      document masks on packed samples with FlexAttention (model.attention_backend "flex") against SDPA's reference;
-#      the host synchronisations (torch.cuda.set_sync_debug_mode) of a dense and a sparse Llama block of 125m's shape,
-#      forward and backward, and of every training step, by owner (model, training, DeepSpeed): each run prints a
+#      the host synchronisations (torch.cuda.set_sync_debug_mode) of a dense (also on packed documents) and a sparse
+#      Llama block of 125m's shape, forward and backward, and of every training step, by owner (model, training, DeepSpeed): each run prints a
 #      "[host-syncs]" line per step (scripts/gpu_smoke_syncs.py);
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its

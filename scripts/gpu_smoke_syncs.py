@@ -12,10 +12,10 @@ by torch itself (``torch.cuda.set_sync_debug_mode``: tests/host_syncs.py CudaSyn
                                   block (RoPE, SwiGLU; the sparse one 8 experts top 2 on  backward (a sparse block on
                                   the grouped GEMM, its groups padded), bf16, the run's   the per-expert loop: 1 read
                                   micro-batch and sequence, forward and backward counted  per forward); the grouped
-                                  apart; the grouped GEMM against the loop on the same    GEMM within GROUPED_BOUND of
-                                  block; the 125m run's step lines                        the loop; the model's syncs
-                                                                                          0 in every step after the
-                                                                                          first
+                                  apart, the dense one also on packed documents           GEMM within GROUPED_BOUND of
+                                  (FlexAttention, its block mask made in the count); the  the loop; the model's syncs
+                                  grouped GEMM against the loop on the same block; the    0 in every step after the
+                                  125m run's step lines                                   first
 """
 
 from __future__ import annotations
@@ -114,32 +114,48 @@ def llama_blocks(model_config, seed: int, device, dtype):
             for n in (1, 2)]
 
 
-def _forward_backward(block, x):
-    out = block(x)
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _forward_backward(block, inputs):
+    out = _hidden(block(inputs))
     out.float().square().mean().backward()
     return out
 
 
-def block_syncs(model_config, micro_batch: int, seed: int, device, dtype, counting) -> dict:
-    """Syncs of each block's forward and backward, each counted apart by ``counting(block)`` (a context manager with
-    ``events``), after two warm-up steps; the sparse block's kernel; its grouped GEMM against the loop."""
+def _documents(x):
+    """Fresh (b, s) position and segment ids of two documents a sample, the second from s / 2 on: a new micro-batch's
+    (FlexAttention makes its block mask for each)."""
     import torch
 
+    length = x.shape[1]
+    segments = (torch.arange(length, device=x.device) >= length // 2).long().repeat(x.shape[0], 1)
+    return torch.arange(length, device=x.device) - segments * (length // 2), segments
+
+
+def block_syncs(model_config, micro_batch: int, seed: int, device, dtype, counting) -> dict:
+    """Syncs of each block's forward and backward, each counted apart by ``counting(block)`` (a context manager with
+    ``events``), after two warm-up steps: the dense block on one sequence and on packed documents (made inside the
+    count), the sparse one; the sparse block's kernel, and its grouped GEMM against the loop."""
+    import torch
+
+    dense, sparse = llama_blocks(model_config, seed, device, dtype)
+    x = torch.randn(micro_batch, model_config.seq_length, model_config.hidden_size, device=device, dtype=dtype,
+                    requires_grad=True)
     found = {}
-    for name, block in zip(("dense", "sparse"), llama_blocks(model_config, seed, device, dtype), strict=True):
-        x = torch.randn(micro_batch, model_config.seq_length, model_config.hidden_size, device=device,
-                        dtype=dtype, requires_grad=True)
+    for name, block, inputs in (("dense", dense, lambda: x), ("dense packed", dense, lambda: (x, *_documents(x))),
+                                ("sparse", sparse, lambda: x)):
         for _ in range(2):
-            _forward_backward(block, x)
+            _forward_backward(block, inputs())
         with counting(block) as forward:
-            out = block(x)
+            out = _hidden(block(inputs()))
         objective = out.float().square().mean()
         with counting(block) as backward:
             objective.backward()
-        found[f"{name} forward"], found[f"{name} backward"] = sum(owners(forward).values()), sum(
-            owners(backward).values())
-        if name == "sparse":
-            found.update(_grouped_against_loop(block, x))
+        found[f"{name} forward"] = sum(owners(forward).values())
+        found[f"{name} backward"] = sum(owners(backward).values())
+    found.update(_grouped_against_loop(sparse, x))
     return found
 
 
@@ -180,13 +196,14 @@ def host_syncs(config_path: str, sets: list[str], train_log: Path) -> tuple[str,
 
 def judge(found: dict, steps: list[dict], micro_batch: int, length: int) -> tuple[str, str]:
     """pass or fail, and the figure, from block_syncs' counts and the training run's step lines."""
-    sparse_forward = 0 if found["kernel"] == "grouped" else 1
-    problems = [f"{name} {found[name]}" for name, expected in (("dense forward", 0), ("dense backward", 0),
-                ("sparse forward", sparse_forward), ("sparse backward", 0)) if found[name] != expected]
+    expected = {"dense forward": 0, "dense backward": 0, "dense packed forward": 0, "dense packed backward": 0,
+                "sparse forward": 0 if found["kernel"] == "grouped" else 1, "sparse backward": 0}
+    problems = [f"{name} {found[name]}" for name in expected if found[name] != expected[name]]
     if found["grouped_vs_loop"] > GROUPED_BOUND:
         problems.append(f"grouped GEMM against the loop {found['grouped_vs_loop']:.2g} > {GROUPED_BOUND}")
     figure = (f"blocks (b {micro_batch}, s {length}, bf16, RoPE, 8 experts top 2 on the {found['kernel']} kernel): "
-              f"dense forward {found['dense forward']} / backward {found['dense backward']}, sparse forward "
+              f"dense forward {found['dense forward']} / backward {found['dense backward']} (packed documents, "
+              f"FlexAttention: {found['dense packed forward']} / {found['dense packed backward']}), sparse forward "
               f"{found['sparse forward']} / backward {found['sparse backward']} syncs; grouped GEMM against the loop "
               f"{found['grouped_vs_loop']:.1e} (relative)")
     rank0 = [line for line in steps if line["rank"] == 0 and line["step"] > 1]

@@ -33,8 +33,11 @@ Who. Each event is charged to a scope:
                                       belongs to the model: the block running, or "model")
     harness                           the tests' and scripts' own code
 
-The expert kernel is the one CUDA runs: every Experts of a watched module runs torch's grouped GEMM with the CUDA
-alignment (model/moe.py ``Experts.kernel``, ``Experts.alignment``), not the per-expert loop the CPU prefers.
+The kernels are those CUDA runs, where the CPU would choose others: every Experts of a watched module runs torch's
+grouped GEMM with the CUDA alignment (model/moe.py ``Experts.kernel``, ``Experts.alignment``), not the per-expert
+loop the CPU prefers. Document masks (model.attention_backend "auto") are FlexAttention on CUDA, whose backward does
+not run on a CPU; the audit runs SDPA's masked reference in its place, which reads nothing either, not the CPU's
+blockwise kernel (model/document_attention.py), which reads its plan of blocks on the host by design.
 """
 
 from __future__ import annotations
@@ -282,6 +285,7 @@ class HostSyncAudit:
 
     # -- scopes and placement --------------------------------------------------------------------------------------
     def __enter__(self) -> HostSyncAudit:
+        from model.attention import SelfAttention
         from model.gpt import TransformerLayer
         from model.moe import Experts, MoEMLP
 
@@ -289,6 +293,8 @@ class HostSyncAudit:
             for value in vars(module).values():
                 if isinstance(value, torch.Tensor):
                     _place(value, True)  # not a parameter nor a buffer: left on the host by module.to(device)
+            if isinstance(module, SelfAttention) and module.backend == "auto":
+                self._set(module, "backend", "sdpa")  # in FlexAttention's place (module docstring)
             if isinstance(module, Experts):
                 self._set(module, "kernel", "grouped")
                 self._set(module, "alignment", GROUPED_GEMM_ALIGNMENT_BYTES // module.gate_up.element_size())

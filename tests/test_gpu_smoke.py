@@ -270,8 +270,9 @@ def test_the_host_sync_check_counts_its_blocks_on_cpu():
     from tests.host_syncs import HostSyncAudit
 
     found = syncs.block_syncs(preset("tiny", seq_length=16), 2, 0, torch.device("cpu"), torch.float32, HostSyncAudit)
-    assert found == {"dense forward": 0, "dense backward": 0, "sparse forward": 0, "sparse backward": 0,
-                     "kernel": "loop", "grouped_vs_loop": 0.0}  # the CPU's own choice is the loop
+    assert found == {"dense forward": 0, "dense backward": 0, "dense packed forward": 0, "dense packed backward": 0,
+                     "sparse forward": 0, "sparse backward": 0, "kernel": "loop", "grouped_vs_loop": 0.0}  # the
+    # CPU's own choice is the loop; the audit runs SDPA's masked kernel where CUDA runs FlexAttention
 
 
 def test_the_host_sync_judge_reads_the_step_lines(tmp_path):
@@ -285,11 +286,12 @@ def test_the_host_sync_judge_reads_the_step_lines(tmp_path):
     log.write_text("".join(syncs.step_line(0, step, Counted()) + "\n" for step in (1, 2, 3)) + "[train] step 3 |\n")
     lines = syncs.read_step_lines(log)
     assert lines[1] == {"rank": 0, "step": 2, "syncs": 2, "model": 0, "training": 1, "deepspeed": 1, "other": 0}
-    blocks = {"dense forward": 0, "dense backward": 0, "sparse forward": 0, "sparse backward": 0,
-              "kernel": "grouped", "grouped_vs_loop": 4e-3}
+    blocks = {"dense forward": 0, "dense backward": 0, "dense packed forward": 0, "dense packed backward": 0,
+              "sparse forward": 0, "sparse backward": 0, "kernel": "grouped", "grouped_vs_loop": 4e-3}
     status, figure = syncs.judge(blocks, lines, 8, 2048)
     assert status == "pass" and "steps 2-3: median 2 syncs a step (model 0, training 1, deepspeed 1)" in figure
     assert syncs.judge({**blocks, "sparse forward": 1}, lines, 8, 2048)[0] == "fail"
+    assert syncs.judge({**blocks, "dense packed backward": 2}, lines, 8, 2048)[0] == "fail"
     assert syncs.judge({**blocks, "kernel": "loop", "sparse forward": 1}, lines, 8, 2048)[0] == "pass"  # its read
     Counted.events = [*Counted.events, Event("read", "item", 1, "block 2 sparse forward", "moe.py:3 f", None)]
     log.write_text(syncs.step_line(0, 2, Counted()) + "\n")
