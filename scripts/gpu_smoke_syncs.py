@@ -180,8 +180,8 @@ def _grouped_against_loop(block, x) -> dict:
 def host_syncs(config_path: str, sets: list[str], train_log: Path) -> tuple[str, str]:
     import torch
 
+    from runconfig.run import load_run_config
     from tests.host_syncs import CudaSyncCounter
-    from training.config import load_run_config
 
     if not torch.cuda.is_available():
         return "skip", "no CUDA device: torch.cuda.set_sync_debug_mode counts CUDA's syncs (tests/test_host_syncs.py " \

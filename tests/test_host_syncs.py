@@ -209,7 +209,7 @@ def _audited_trainer(data_prefix: str) -> tuple[int, list[tuple]]:
     step)."""
     import json
 
-    from training.config import load_run_config
+    from runconfig.run import load_run_config
     from training.data import build_loader_factories
     from training.engine import build_engine
     from training.trainer import Trainer
