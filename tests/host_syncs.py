@@ -108,6 +108,7 @@ class _Wrappers:
     def __init__(self, audit: HostSyncAudit) -> None:
         self.audit = audit
         self._originals: list[tuple[Any, str, Any]] = []
+        self._inside = False
 
     def install(self) -> None:
         for name in FACTORIES:
@@ -132,7 +133,13 @@ class _Wrappers:
         self._originals.append((owner, name, owner.__dict__.get(name)))
 
         def wrapper(*args, **kwargs):
-            return handler(original, args, kwargs)
+            if self._inside:  # called again from inside a wrapper (a torch function mode re-enters the method)
+                return original(*args, **kwargs)
+            self._inside = True
+            try:
+                return handler(original, args, kwargs)
+            finally:
+                self._inside = False
         wrapper.__name__ = name
         setattr(owner, name, wrapper)
 

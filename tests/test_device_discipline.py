@@ -187,7 +187,10 @@ def test_the_rule_sees_each_kind_of_call(tmp_path):
 
 @contextlib.contextmanager
 def default_device(device: str | None) -> Iterator[None]:
-    """torch's default device for the factories inside (None: left as it is), restored after."""
+    """torch's default device for the factories inside (None: left as it is), restored after. A default of the host
+    is restored as no default at all: ``set_default_device("cpu")`` would leave torch's device mode on the
+    function-mode stack for the rest of the process, where it calls every Tensor method a second time through its
+    Python attribute (tests/host_syncs.py's wrappers then count each read twice) and slows every op."""
     if device is None:
         yield
         return
@@ -196,7 +199,7 @@ def default_device(device: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.set_default_device(before)
+        torch.set_default_device(None if before == torch.device("cpu") else before)
 
 
 def test_the_meta_default_turns_a_device_less_tensor_into_an_error():

@@ -41,9 +41,11 @@ import torch.distributed as dist
 from model.config import MoEConfig, ParallelConfig, check_expert_parallel
 from model.layers import partial_gradient_parameters
 from model.moe import MoEBlock, top_k_experts
+from model.router import top_k_experts
 from model.parallel import ParallelContext, build_parallel_context
 from model.primitives import group_rank, group_size
 from tests.distributed import run_distributed
+from tests.test_device_discipline import default_device
 
 TOLERANCE = 1e-6
 
@@ -254,13 +256,9 @@ def test_every_run_time_tensor_is_made_on_the_device_of_what_it_meets():
                     capacity_factor=0.75)
     block = _block(moe, 8)
     x = _randn(2, 6, 8, seed=10).requires_grad_()
-    before = torch.get_default_device()
-    torch.set_default_device("meta")
-    try:
+    with default_device("meta"):
         out, stats = block(x)
         out.sum().backward()
-    finally:
-        torch.set_default_device(before)
     assert not out.is_meta and int(stats.dropped) > 0 and x.grad.abs().max() > 0
 
 
@@ -279,13 +277,9 @@ def test_grouped_gemm_path_equals_the_per_expert_loop_bit_for_bit(dtype):
     for run in ("loop", "grouped"):
         x = rows.clone().requires_grad_()
         experts.zero_grad()
-        before = torch.get_default_device()
-        torch.set_default_device("meta")
-        try:
+        with default_device("meta"):
             out = experts(x, counts) if run == "loop" else grouped_swiglu(x, counts, experts.gate_up, experts.down)
             out.float().square().sum().backward()
-        finally:
-            torch.set_default_device(before)
         results.append((out, x.grad, experts.gate_up.grad, experts.down.grad))
     for loop, grouped in zip(*results, strict=True):
         assert torch.equal(loop, grouped)
