@@ -41,6 +41,23 @@ n = assignments kept (T k when dropless), m = assignments received from the EP g
     9 + sigmoid(tokens w_gate^T) * shared expert                 (T, h), partial over TP
     10 leave the TP region: all-reduce, or reduce-scatter         (b, s, h) or (b, s/R, h)
 
+The sequence-split dispatch (MoEBlock.splits_the_sequence: sequence parallelism at R > 1 with EP > 1), as
+Megatron-LM's all-to-all dispatcher: each TP rank routes its own T / R tokens (b, s/R, h) and sends their rows, so
+the all-to-all, between nodes as often as not, carries 1/R of the bytes (tests/test_moe_dispatch.py counts them):
+
+    step                                                         shape
+    1 route this rank's tokens, no gather; the aux and z losses  (T/R, h); their sums and the counts all-reduced
+      over the TP group's tokens (Router's statistics_group)     over TP, the same on every TP rank
+    2-5 as above, on this rank's rows, with this TP rank's       (n/R, h) -> (m_r, h)
+      peers of the EP group; the received counts of every TP
+      rank gathered with them (the one host read)
+    6 gather the received rows over TP, regroup, run the         (m_r, h) -> (M, h), M = sum over TP of m_r, partial
+      TP-sharded experts                                         over TP
+    7 reduce-scatter back to the rank that received each row,    (M, h) -> (m_r, h) whole -> (n/R, h)
+      ungroup, reverse all-to-all
+    8 combine; the shared expert on the gathered sequence,       (T/R, h) whole, no reduce-scatter but the shared
+      reduce-scattered back                                      expert's
+
 Each token's output is its own k rows, weighted and summed in a fixed order, so it does not depend on the split; an
 expert's rows arrive from rank 0, 1, ... in token order, the order of the unsplit block over the ranks' tokens
 concatenated. Only the matmul blocking of different row counts can change last bits. The experts run one matmul
@@ -60,7 +77,10 @@ router's and the shared gate's gradients are partial sums over TP, with or witho
 marked (model.layers.mark_partial_over_tensor_parallel) for the per-step TP all-reduce. The auxiliary losses
 (MoEStats) are computed whole on every TP rank, so when attached their gradient reaches x through the TP all-reduce
 of step 1's backward (and the router through the TP all-reduce of its gradient) R times: attach them multiplied by
-MoEStats.loss_scale = 1 / R.
+MoEStats.loss_scale = 1 / R. Under the sequence-split dispatch each TP rank routes tokens of its own, which makes the
+router's gradient a sum over TP all the same; the losses, from statistics all-reduced with an identity backward,
+reach each token once: MoEStats.loss_scale = 1. The router computes in fp32 but keeps its input and weight as they
+are for its backward (fp32_linear: no fp32 copy of the (T, h) tokens in a bf16 model).
 
 Capacity (capacity_factor, None by default: dropless). Each EP rank keeps at most C = ceil(capacity_factor T k / E)
 of its own assignments per expert, the highest gate weights first (ties: the earlier assignment), before the
@@ -74,6 +94,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -88,12 +109,15 @@ from model.primitives import (
     all_to_all,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
+    gather_rows_from_tensor_parallel_region,
     group_rank,
     group_size,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_rows_to_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from model.random import recomputing
+from model.router import Router, expert_histogram
 
 
 def _require(condition: bool, message: str) -> None:
@@ -105,86 +129,6 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     _require(numerator % denominator == 0,
              f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
-
-
-# ------------------------------------------------------------------------------------------------------- the router
-
-
-@dataclass
-class Routing:
-    """One router call over T tokens (every tensor fp32 but the integer ones)."""
-
-    logits: torch.Tensor
-    """(T, E): tokens @ router.weight^T."""
-    experts: torch.Tensor
-    """(T, k) int64: the selected experts, best first."""
-    weights: torch.Tensor
-    """(T, k): their gate weights (scores, normalised over the k when norm_topk_prob)."""
-    aux_loss: torch.Tensor
-    """(): E sum_e f_e P_e, f_e = tokens_per_expert[e] / (T k), P_e = mean probability of e over the tokens."""
-    z_loss: torch.Tensor
-    """(): mean over the tokens of logsumexp(logits)^2."""
-    tokens_per_expert: torch.Tensor
-    """(E,) int64: assignments routed to each expert (before any capacity drop)."""
-
-
-def top_k_experts(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best experts (T, k) of each token's scores (T, E), best first. A tie goes to the lower expert index, on
-    every device: a stable descending sort keeps equal scores in index order, whereas torch.topk leaves the order of
-    equal values unspecified (its CPU kernel is deterministic, its CUDA kernels need not agree with it)."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-
-
-def expert_histogram(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) int64: how many entries of ``experts`` (any shape) name each expert. A scatter-add into E zeros on the
-    device: torch.bincount reads its input's min and max on the host first, to size its output (two syncs on CUDA)."""
-    flat = experts.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
-
-
-class Router(nn.Module):
-    """logits = tokens @ weight^T in fp32; softmax (or sigmoid) scores; top-k; gate weights; aux and z losses."""
-
-    def __init__(self, moe: MoEConfig, hidden_size: int, *, init_std: float, seed: int) -> None:
-        super().__init__()
-        self.num_experts, self.top_k, self.kind, self.norm_topk_prob = (moe.num_experts, moe.top_k, moe.router,
-                                                                        moe.norm_topk_prob)
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        normal_sharded_(self.weight, init_std, seed)
-        mark_partial_over_tensor_parallel(self.weight)
-        if moe.router == "sigmoid_bias":  # fp32 and saved in checkpoints; the caller keeps it fp32 under bf16
-            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, device=self.weight.device))
-
-    def forward(self, tokens: torch.Tensor) -> Routing:
-        logits = F.linear(tokens.float(), self.weight.float())  # (T, E) fp32
-        if self.kind == "softmax":
-            scores = probabilities = logits.softmax(dim=-1)
-            experts = top_k_experts(scores, self.top_k)
-        else:  # the bias chooses, it does not weigh (DeepSeek-V3)
-            scores = logits.sigmoid()
-            probabilities = scores / scores.sum(dim=-1, keepdim=True)
-            experts = top_k_experts(scores.detach() + self.expert_bias.float(), self.top_k)
-        weights = scores.gather(-1, experts)  # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        tokens_per_expert = expert_histogram(experts, self.num_experts)  # (E,), the dispatch's too
-        routed_fraction = tokens_per_expert.float() / experts.numel()  # f_e, sums to 1
-        aux_loss = self.num_experts * (routed_fraction * probabilities.mean(dim=0)).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
-        return Routing(logits, experts, weights, aux_loss, z_loss, tokens_per_expert)
-
-    @torch.no_grad()
-    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
-        """DeepSeek-V3's rule, after a step: b_e += rate sign(mean load - load_e), so an overloaded expert is chosen
-        less. ``tokens_per_expert`` (E,) must be the same on every replica (the caller sums it over the data and
-        pipeline ranks), so that every copy of the bias moves alike."""
-        load = tokens_per_expert.float()
-        self.expert_bias.add_(torch.sign(load.mean() - load).to(self.expert_bias.device), alpha=rate)
-
-    def extra_repr(self) -> str:
-        return (f"{self.kind}, experts {self.num_experts}, top {self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
-                f"fp32 (gradient partial over TP)")
 
 
 # ------------------------------------------------------------------------------------------------------ the experts
@@ -372,7 +316,8 @@ class MoEStats:
     dropped: torch.Tensor
     """() int64: assignments dropped by the capacity (0 when dropless)."""
     loss_scale: float
-    """1 / TP: the auxiliary losses are whole on every TP rank and their gradients pass a TP all-reduce."""
+    """1 / TP: the auxiliary losses are whole on every TP rank and their gradients pass a TP all-reduce; 1 under the
+    sequence-split dispatch, where they reach each token once (module docstring)."""
 
 
 class MoEBlock(nn.Module):
@@ -402,7 +347,16 @@ class MoEBlock(nn.Module):
             self.shared_expert = SharedExpert(moe.shared_expert_ffn_hidden_size, hidden_size, ctx, init_std=init_std,
                                               output_init_std=output_init_std, seed=seed, layer_number=layer_number)
 
+    @property
+    def splits_the_sequence(self) -> bool:
+        """The sequence-split dispatch (module docstring): each TP rank routes and sends its own s/R positions, under
+        sequence parallelism at TP > 1 with EP > 1, where it cuts the all-to-all's bytes by TP. At EP 1 there is no
+        all-to-all, and gathering the s/R tokens (h wide) costs less than gathering their k rows."""
+        return self.sequence_parallel and group_size(self.group) > 1 and self.expert_parallel_size > 1
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        if self.splits_the_sequence:
+            return self._forward_split(x)
         if self.sequence_parallel:
             tokens = gather_from_sequence_parallel_region(x, self.group)  # (b, s, h) from (b, s/R, h)
         else:
@@ -422,7 +376,60 @@ class MoEBlock(nn.Module):
             out = reduce_scatter_to_sequence_parallel_region(outputs, self.group)  # (b, s/R, h)
         else:
             out = reduce_from_tensor_parallel_region(outputs, self.group)  # (b, s, h)
-        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert, dropped, self.loss_scale)
+        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, self.loss_scale)
+
+    def _forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        """The sequence-split dispatch: x (b, s/R, h), this TP rank's positions, routed and sent here; the rows each
+        rank receives gathered over TP for the sharded experts and reduce-scattered back; the output (b, s/R, h)
+        whole, not partial. The auxiliary losses are over the TP group's tokens (Router's statistics_group) and
+        reach each token once: MoEStats.loss_scale 1."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # (T/R, h): this rank's own
+        routing = self.router(tokens, statistics_group=self.group)
+        capacity = self.moe.capacity(tokens.shape[0])  # over this rank's tokens
+        order, counts, dropped = sort_assignments(routing.experts, routing.weights, self.moe.num_experts, capacity,
+                                                  routing.tokens_per_expert)
+        rows = tokens[order // self.moe.top_k]  # (n, h), by expert
+        outputs = combine(self._run_experts_split(rows, counts), order, routing.weights.to(x.dtype))  # (T/R, h)
+        out = outputs.view(shape)
+        if self.shared_expert is not None:  # the dense path's gather and reduce-scatter, for the shared expert only
+            everyone = gather_from_sequence_parallel_region(x, self.group)  # (b, s, h)
+            shared = self.shared_expert(everyone.reshape(-1, shape[-1])).view(everyone.shape)
+            out = out + reduce_scatter_to_sequence_parallel_region(shared, self.group)  # (b, s/R, h)
+        if capacity is not None:
+            dropped = dropped.clone()
+            dist.all_reduce(dropped, group=self.group)
+        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, 1.0)
+
+    def _run_experts_split(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (n, h) of this TP rank's tokens, sorted by global expert, counts (E,) -> their experts' outputs (n, h),
+        whole: sent over EP as the TP peers' are, gathered over TP (every TP rank computes its slice of F for every
+        row its expert-parallel peers received), reduced back over TP, returned over EP. One host read: the
+        all-to-all's split sizes and the TP peers' row counts together."""
+        ranks, local, tp = self.expert_parallel_size, self.local_experts, group_size(self.group)
+        received = all_to_all(counts, [local] * ranks, [local] * ranks, self.expert_group).view(ranks, local)
+        peers = received.new_empty((tp * ranks, local))  # every TP rank's received counts, (TP, P, E_l) below
+        dist.all_gather_single(peers, received.contiguous(), group=self.group)
+        peers = peers.view(tp, ranks, local)
+        host = torch.cat([counts, peers.reshape(-1)]).tolist()  # the block's one read
+        sent_host, peers_host = host[:ranks * local], host[ranks * local:]
+        per_rank = [sum(sent_host[q * local:(q + 1) * local]) for q in range(ranks)]
+        received_by = [peers_host[r * ranks * local:(r + 1) * ranks * local] for r in range(tp)]
+        mine = received_by[group_rank(self.group)]
+        from_rank = [sum(mine[q * local:(q + 1) * local]) for q in range(ranks)]
+        arrived = all_to_all(rows, from_rank, per_rank, self.expert_group)  # (m_r, h): by source, then expert
+        sizes = [sum(part) for part in received_by]  # m_r of every TP rank
+        gathered = gather_rows_from_tensor_parallel_region(arrived, sizes, self.group)  # (M, h): TP rank, source, expert
+        expert_of_row = torch.arange(local, device=rows.device).repeat(tp * ranks).repeat_interleave(
+            peers.reshape(-1), output_size=gathered.shape[0])
+        by_expert = torch.argsort(expert_of_row, stable=True)  # TP rank, then source, within each expert
+        local_counts = peers.sum(dim=(0, 1))  # (E_l,) on the device, for the grouped GEMM
+        if not self.experts.runs_grouped(gathered):
+            local_counts = [sum(received_by[r][q * local + j] for r in range(tp) for q in range(ranks))
+                            for j in range(local)]
+        computed = self.experts(gathered[by_expert], local_counts)[torch.argsort(by_expert)]  # (M, h), partial
+        back = reduce_scatter_rows_to_tensor_parallel_region(computed, sizes, self.group)  # (m_r, h), whole
+        return all_to_all(back, per_rank, from_rank, self.expert_group)  # (n, h)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (n, h) sorted by global expert, counts (E,) -> the experts' outputs (n, h) in the same order, each

@@ -13,9 +13,12 @@ the sequence (dim 1 of (b, s, h)), each rank holding s/R positions:
     gather_from_sequence_parallel_region      forward: all-gather seq   backward: reduce-scatter seq
     reduce_scatter_to_sequence_parallel_region forward: reduce-scatter  backward: all-gather seq
 
-and over the expert-parallel group (model/moe.py), rows exchanged with uneven splits:
+and over the expert-parallel group (model/moe.py), rows exchanged with uneven splits, and the rows each TP rank
+received gathered over TP for the TP-sharded experts (uneven too):
 
-    all_to_all                                 forward: all-to-all        backward: the reverse all-to-all
+    all_to_all                                      forward: all-to-all        backward: the reverse all-to-all
+    gather_rows_from_tensor_parallel_region         forward: all-gather rows   backward: reduce-scatter rows
+    reduce_scatter_rows_to_tensor_parallel_region   forward: reduce-scatter    backward: all-gather rows
 
 An all-gather and a reduce-scatter move the bytes of the one all-reduce they replace. The column-parallel layers
 fuse the all-gather with their matmul instead (model/layers.py), to store the shard rather than the gathered input.
@@ -138,6 +141,52 @@ gather_from_sequence_parallel_region = _region(
 reduce_scatter_to_sequence_parallel_region = _region(
     reduce_scatter_sequence, all_gather_sequence,
     "Partial sums (b, s, h) -> this rank's positions (b, s/R, h), summed over the ranks.")
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """(sizes[r], ...) rows on rank r -> (sum(sizes), ...) on every rank, in rank order. Each rank's rows are padded
+    to the largest size for one all-gather of equal parts (the sizes are host numbers the caller has read)."""
+    largest = max(sizes)
+    padded = x.new_zeros((largest, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    gathered = x.new_empty((len(sizes) * largest, *x.shape[1:]))
+    dist.all_gather_single(gathered, padded, group=group)
+    return torch.cat([gathered[r * largest:r * largest + size] for r, size in enumerate(sizes)])
+
+
+def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """(sum(sizes), ...) partial sums on every rank -> rank r's (sizes[r], ...) rows, summed over the ranks."""
+    largest = max(sizes)
+    padded = x.new_zeros((len(sizes), largest, *x.shape[1:]))
+    for r, part in enumerate(x.split(sizes)):
+        padded[r, : part.shape[0]] = part
+    mine = x.new_empty((largest, *x.shape[1:]))
+    dist.reduce_scatter_single(mine, padded.view(len(sizes) * largest, *x.shape[1:]), group=group)
+    return mine[: sizes[group_rank(group)]]
+
+
+class _RowRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group, gather):
+        ctx.sizes, ctx.group, ctx.gather = sizes, group, gather
+        return _gather_rows(x, sizes, group) if gather else _reduce_scatter_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dual = _reduce_scatter_rows if ctx.gather else _gather_rows
+        return dual(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
+
+
+def gather_rows_from_tensor_parallel_region(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """Each rank's rows, uneven (``sizes[r]`` on rank r, host numbers) -> all of them on every rank, in rank order;
+    the gradients are reduce-scattered back (the TP-sharded experts' inputs, model/moe.py)."""
+    return x if group_size(group) == 1 else _RowRegion.apply(x, sizes, group, True)
+
+
+def reduce_scatter_rows_to_tensor_parallel_region(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """Partial sums of every rank's rows -> this rank's own ``sizes[rank]`` rows, summed over the ranks; the gradients
+    are all-gathered (the TP-sharded experts' outputs, back to the ranks whose rows they are)."""
+    return x if group_size(group) == 1 else _RowRegion.apply(x, sizes, group, False)
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:

@@ -4,7 +4,8 @@ states' split over the expert-data-parallel group, and the all-to-all of the dis
 E experts, k = top_k, F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size, h hidden, e bytes of the model
 dtype; t, p, d: tensor-, pipeline-, data-parallel sizes; P = parallelism.expert_parallel_size (EP), E_l = E / P the
 local experts of each sparse block on one GPU; T = s b the tokens of a micro-batch on one EP rank: every TP rank of
-it routes them all, with sequence parallelism too (model/moe.py, step 1).
+it routes them all, but under sequence parallelism at EP > 1 (the sequence-split dispatch) each routes and sends its
+own T / t (model/moe.py).
 
 Parameters of one TP rank of stage i (model/moe.py's tensors; a rank holds only its own E_l experts)
     each layer but the sparse blocks as model/summary.py counts it; each sparse block
@@ -24,8 +25,11 @@ Optimizer states (ZeRO-1). DeepSpeed's optimizers hold the experts in a paramete
 All-to-all (model/moe.py steps 5 and 7: dispatch the rows to the experts' ranks, bring the outputs back), per sparse
     block and micro-batch on every GPU: dispatch and combine in the forward and their gradients in the backward, 4;
     2 more where the block is fully recomputed (its forward reruns in the backward; "selective" reruns attention
-    only). Each moves, per GPU (whole rows of h: every TP rank dispatches its own copy to its TP coordinate's ranks),
-        bytes = e k' T h (P - 1) / P,   k' = k min(1, capacity_factor) (the assignments kept; dropless: k)
+    only). Each moves, per GPU (whole rows of h: every TP rank dispatches its own copy to its TP coordinate's ranks,
+    or under the sequence-split dispatch its own T / t tokens' rows),
+        bytes = e k' T h (P - 1) / P   (T / t split),   k' = k min(1, capacity_factor) (the assignments kept)
+    The split dispatch's gather of the received rows over TP and their reduce-scatter back (e k' T h (t - 1) / t
+    each, inside the node: NVLink) are not counted.
     the routing assumed balanced (each rank sends 1/P of its rows to each rank; a skewed router sends more to the
     busiest rank, which paces the group). Timed at one GPU's per-direction bandwidth times comm_efficiency, like
     the other collectives: NVLink when every EP group lies inside a node, InfiniBand when one spans nodes (the
@@ -177,10 +181,20 @@ def kept_assignments_per_token(model: ModelConfig) -> float:
     return moe.top_k * min(1.0, moe.capacity_factor if moe.capacity_factor is not None else 1.0)
 
 
-def all_to_all_bytes(model: ModelConfig, micro_batch: int, expert_parallel_size: int) -> float:
-    """What one GPU sends in one all-to-all of one sparse block's micro-batch: e k' T h (P - 1) / P."""
+def splits_the_sequence(tensor_parallel_size: int, sequence_parallel: bool, expert_parallel_size: int) -> bool:
+    """model/moe.py's sequence-split dispatch: each TP rank routes and sends its own T / t tokens (MoEBlock's
+    splits_the_sequence: sequence parallelism at t > 1 with EP > 1)."""
+    return sequence_parallel and tensor_parallel_size > 1 and expert_parallel_size > 1
+
+
+def all_to_all_bytes(model: ModelConfig, micro_batch: int, expert_parallel_size: int, tensor_parallel_size: int = 1,
+                     sequence_parallel: bool = False) -> float:
+    """What one GPU sends in one all-to-all of one sparse block's micro-batch: e k' T h (P - 1) / P, T / t tokens
+    under the sequence-split dispatch."""
     ep = expert_parallel_size
     tokens = model.seq_length * micro_batch
+    if splits_the_sequence(tensor_parallel_size, sequence_parallel, ep):
+        tokens /= tensor_parallel_size
     return (DTYPE_BYTES[model.precision] * kept_assignments_per_token(model) * tokens * model.hidden_size
             * (ep - 1) / ep)
 

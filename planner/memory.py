@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from model.config import ModelConfig
 from model.gpt import FINAL_NORMS
 from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
-from planner.experts import count_expert_stages, expert_parameters_of, kept_assignments_per_token
+from planner.experts import count_expert_stages, expert_parameters_of, kept_assignments_per_token, splits_the_sequence
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
 from planner.pipeline_schedule import activations_in_flight
 from runconfig.run import RunConfig
@@ -146,59 +146,60 @@ def _norm_rows(model: ModelConfig, replicated: float, what: str) -> list[StoredT
 
 
 def sparse_mlp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, micro_batch: int = 1,
-                              expert_parallel_size: int = 1) -> list[StoredTensor]:
+                              expert_parallel_size: int = 1, sequence_parallel: bool = False) -> list[StoredTensor]:
     """What the MoE block of a sparse layer (model/moe.py, MoEBlock) keeps for its backward, per token of the
-    micro-batch (T = s b on every TP rank, with SP too: step 1 gathers the sequence), in place of the dense MLP's
-    rows and of the ln2 output. Derived from the code, each row the tensor an autograd node saves; k the top_k, k'
-    the assignments kept (k' = k when dropless, planner.experts), e the model dtype:
+    micro-batch (T = s b), in place of the dense MLP's rows and of the ln2 output. Derived from the code, each row the
+    tensor an autograd node saves; k the top_k, k' the assignments kept (k' = k when dropless, planner.experts), e the
+    model dtype. Every TP rank routes all T tokens (with SP, step 1 gathers the sequence), except under the
+    sequence-split dispatch (SP, t > 1, EP > 1), where a rank routes its own T / t: the rows marked (/ u) are then
+    divided by t.
 
-        the block's input tokens, e h: the ln2 output (with SP its gathered sequence), when a linear takes them as
-            they are: the router in fp32 (tokens.float() is then no copy), the shared expert; else nothing keeps it
-        in 16-bit, the router's fp32 copy of its input, 4 h, and of its weight, 4 E h per block
+        the router's input tokens, e h (/ u): the ln2 output (with SP at EP 1 its gathered sequence), which the router
+            keeps in the model dtype (model/moe.py fp32_linear: no fp32 copy) and the shared expert too
         router logits (the z-loss's logsumexp input) and softmax (or sigmoid) scores, fp32: 8 E (sigmoid_bias: + 4,
             the scores' sum); the logsumexp, 4; the stable sort's indices, int64, 8 E: the selected experts (T, k)
-            are a view of them, which gather keeps; norm_topk_prob: the k selected scores and their sum, 4 k + 4
-        the dispatch's row index 8 k' and the combine's slot index 8 k (int64); at EP > 1 the regrouping by local
-            expert and back, 16 k' more
-        the experts' input rows, e k' h (at EP > 1 the rows received: balanced routing assumed); per row the
-            SwiGLU's gate_up output, silu output and product, e k' 4 F / t (the dense SwiGLU's 4 f / t per row)
-        the combine's gathered outputs (T, k, h) and gate weights, e k (h + 1)
-        the shared expert (F_s > 0): its SwiGLU 4 F_s / t, its output h and the sigmoid gate, e (4 F_s / t + h + 1)
+            are a view of them, which gather keeps; norm_topk_prob: the k selected scores and their sum, 4 k + 4 (/ u)
+        the dispatch's row index 8 k' and the combine's slot index 8 k (int64, / u); at EP > 1 the regrouping by
+            local expert and back, 16 k' more (of every row the rank computes: not / u)
+        the experts' input rows, e k' h (at EP > 1 the rows received, under the split dispatch gathered over TP:
+            balanced routing assumed); per row the SwiGLU's gate_up output, silu output and product, e k' 4 F / t
+        the combine's gathered outputs (T, k, h) and gate weights, e k (h + 1) (/ u)
+        the shared expert (F_s > 0): its SwiGLU 4 F_s / t, its output h and the sigmoid gate, e (4 F_s / t + h + 1);
+            under the split dispatch also its own gathered input, e h
     The aux loss's per-expert terms (E floats a block) are left out. Checked against the tensors the block saves
-    (saved-tensor hooks, CPU, fp32 and bf16, EP 1 and TP 1, the per-expert matmul loop: tests/test_planner_moe.py);
-    the EP > 1, TP > 1 and CUDA rows (a grouped GEMM keeps the same inputs: rows, gate_up output, silu output,
-    product) are derived, not measured, and so is CUDA memory in general. Per token fp32 at k 2, E 8, h 256, F 128,
-    t 1: 9,400 bytes, of which the experts' SwiGLU 4,096 and the rows 2 x 2,048 (dispatched and gathered back)."""
+    (saved-tensor hooks, CPU, fp32 and bf16, EP 1 and TP 1, the per-expert matmul loop: tests/test_planner_moe.py;
+    TP 2 x EP 2 with sequence parallelism, the split dispatch: tests/test_moe_dispatch.py); CUDA's grouped GEMM keeps
+    the same inputs (rows, gate_up output, silu output, product), derived, not measured. Per token fp32 at k 2, E 8,
+    h 256, F 128, t 1: 9,400 bytes, of which the experts' SwiGLU 4,096 and the rows 2 x 2,048 (dispatched and
+    gathered back)."""
     moe, h, t = model.moe, model.hidden_size, tensor_parallel_size
     dtype = DTYPE_BYTES[model.precision]
     experts, k, kept = moe.num_experts, moe.top_k, kept_assignments_per_token(model)
-    rows = []
-    if dtype == 4 or moe.shared_expert_ffn_hidden_size:
-        rows.append(StoredTensor("MoE input tokens (the ln2 output; with SP its gathered sequence)", dtype * h,
-                                 STORING_MODES))
-    if dtype != 4:
-        rows += [StoredTensor("router: fp32 copy of its input", 4 * h, STORING_MODES),
-                 StoredTensor("router: fp32 copy of its weight, E h per block",
-                              4 * experts * h / (model.seq_length * micro_batch), STORING_MODES)]
-    rows += [
-        StoredTensor("router logits and scores (fp32)", 8 * experts + 4 * (moe.router == "sigmoid_bias"),
+    split = splits_the_sequence(t, sequence_parallel, expert_parallel_size)
+    u = 1 / t if split else 1
+    rows = [
+        StoredTensor("MoE input tokens (the ln2 output; the router's and the shared expert's input)", dtype * h * u,
                      STORING_MODES),
-        StoredTensor("router z-loss logsumexp (fp32)", 4, STORING_MODES),
-        StoredTensor("top-k: the sort's indices (int64, all E)", 8 * experts, STORING_MODES),
+        StoredTensor("router logits and scores (fp32)", (8 * experts + 4 * (moe.router == "sigmoid_bias")) * u,
+                     STORING_MODES),
+        StoredTensor("router z-loss logsumexp (fp32)", 4 * u, STORING_MODES),
+        StoredTensor("top-k: the sort's indices (int64, all E)", 8 * experts * u, STORING_MODES),
     ]
     if moe.norm_topk_prob:
-        rows.append(StoredTensor("norm_topk_prob: selected scores and their sum (fp32)", 4 * k + 4, STORING_MODES))
+        rows.append(StoredTensor("norm_topk_prob: selected scores and their sum (fp32)", (4 * k + 4) * u,
+                                 STORING_MODES))
     rows += [
-        StoredTensor("dispatch and combine indices (int64)", 8 * kept + 8 * k + 16 * kept * (expert_parallel_size > 1),
-                     STORING_MODES),
+        StoredTensor("dispatch and combine indices (int64)", (8 * kept + 8 * k) * u
+                     + 16 * kept * (expert_parallel_size > 1), STORING_MODES),
         StoredTensor("experts' input rows", dtype * kept * h, STORING_MODES),
         StoredTensor("experts: gate_up output, silu output, their product", dtype * kept * 4 * moe.moe_ffn_hidden_size
                      / t, STORING_MODES),
-        StoredTensor("combine: gathered expert outputs and gate weights", dtype * k * (h + 1), STORING_MODES),
+        StoredTensor("combine: gathered expert outputs and gate weights", dtype * k * (h + 1) * u, STORING_MODES),
     ]
     if moe.shared_expert_ffn_hidden_size:
-        rows.append(StoredTensor("shared expert: SwiGLU, output and sigmoid gate",
-                                 dtype * (4 * moe.shared_expert_ffn_hidden_size / t + h + 1), STORING_MODES))
+        rows.append(StoredTensor("shared expert: SwiGLU, output and sigmoid gate (and its gathered input, split)",
+                                 dtype * (4 * moe.shared_expert_ffn_hidden_size / t + h + 1 + h * split),
+                                 STORING_MODES))
     return rows
 
 
@@ -251,7 +252,8 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
         if query_contiguous or ulysses:  # (b, a, s, d) too, or sent back: the dense input is a copy
             rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
     if sparse:
-        rows += sparse_mlp_stored_tensors(model, t, micro_batch=micro_batch, expert_parallel_size=expert_parallel_size)
+        rows += sparse_mlp_stored_tensors(model, t, micro_batch=micro_batch, expert_parallel_size=expert_parallel_size,
+                                          sequence_parallel=sequence_parallel)
     elif model.mlp == "swiglu":
         rows.append(StoredTensor("gate_up output, silu output, their product", dtype * 4 * f / t, STORING_MODES))
     else:

@@ -239,7 +239,9 @@ def expert_figures(config: RunConfig, parameters: ParameterCounts, plan: Plan, h
         total_parameters=analytic_total_parameters(config.model, config.parallelism.tensor_parallel_size),
         active_parameters=analytic_active_parameters(config.model, config.parallelism.tensor_parallel_size),
         expert_parameters_per_gpu=expert_parameters_of(peak_count),
-        all_to_all_bytes=all_to_all_bytes(config.model, config.micro_batch_size, ep),
+        all_to_all_bytes=all_to_all_bytes(config.model, config.micro_batch_size, ep,
+                                          config.parallelism.tensor_parallel_size,
+                                          config.parallelism.sequence_parallel),
         all_to_all_spans_nodes=expert_group_spans_nodes(
             config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size, d, ep,
             hardware.gpus_per_node),

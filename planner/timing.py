@@ -225,17 +225,19 @@ def micro_batch_time(config: RunConfig, layout: DeepSpeedLayout, count: StageCou
         pipeline_p2p=transfers * piece / rates.pipeline_bytes_per_s + transfers / 2 * rebuild,
         gradient_accumulation=accumulation_bytes / rates.hbm_bytes_per_s,
         expert_all_to_all=all_to_alls_per_micro_batch(model, count, pp) * all_to_all_seconds(
-            model, b, config.parallelism.expert_parallel_size, rates),
+            model, b, config.parallelism.expert_parallel_size, rates, tp, sequence_parallel),
         context_all_to_all=context_all_to_alls(model, count, pp) * context_all_to_all_bytes(model, b, tp, cp)
         / (rates.context_parallel_bytes_per_s or 1.0))
 
 
-def all_to_all_seconds(model: ModelConfig, micro_batch: int, expert_parallel_size: int, rates: Rates) -> float:
-    """One all-to-all of a sparse block's micro-batch: e k' T h (P - 1) / P bytes per GPU at the EP group's link
-    (planner.experts); 0 at EP 1."""
+def all_to_all_seconds(model: ModelConfig, micro_batch: int, expert_parallel_size: int, rates: Rates,
+                       tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> float:
+    """One all-to-all of a sparse block's micro-batch: e k' T h (P - 1) / P bytes per GPU (T / t under the
+    sequence-split dispatch) at the EP group's link (planner.experts); 0 at EP 1."""
     if expert_parallel_size <= 1:
         return 0.0
-    return all_to_all_bytes(model, micro_batch, expert_parallel_size) / rates.expert_parallel_bytes_per_s
+    return all_to_all_bytes(model, micro_batch, expert_parallel_size, tensor_parallel_size,
+                            sequence_parallel) / rates.expert_parallel_bytes_per_s
 
 
 @dataclass(frozen=True)

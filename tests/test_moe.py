@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from model.config import MoEConfig, ParallelConfig, check_expert_parallel
 from model.layers import partial_gradient_parameters
-from model.moe import MoEBlock, top_k_experts
+from model.moe import MoEBlock
+from model.router import top_k_experts
 from model.router import top_k_experts
 from model.parallel import ParallelContext, build_parallel_context
 from model.primitives import group_rank, group_size
