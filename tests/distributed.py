@@ -90,6 +90,11 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def start_context():
+    """The multiprocessing context whose processes start from the warm server (tests/warm_launch.py's ranks too)."""
+    return mp.get_context(_start_method())
+
+
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: int = DEFAULT_TIMEOUT_S) -> list[Any]:
     """fn must be importable (a module-level function) so that the ranks can find it."""
     with tempfile.TemporaryDirectory() as out_dir:

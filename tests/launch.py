@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed import free_port
+from tests.warm_launch import launch
 from training.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,10 +82,18 @@ def train_command(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: 
 
 def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: list[str] = (),
                  faults: dict | None = None, expect_success: bool = True, processes: int = 4,
-                 ds_config: str = "ds_configs/tiny-cpu.json", base: list[str] = OVERRIDES) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config, base), cwd=ROOT,
-                            env=launcher_env(faults),
-                            capture_output=True, text=True, timeout=600)
+                 ds_config: str = "ds_configs/tiny-cpu.json", base: list[str] = OVERRIDES,
+                 real_launcher: bool = False) -> subprocess.CompletedProcess:
+    """One run of train.py on ``processes`` ranks: forked from the warm server with the launcher's environment
+    (tests/warm_launch.py), or through DeepSpeed's per-node launcher itself with ``real_launcher``, for every run
+    with injected faults (the fault suite proves the launcher's handling of a failing rank), and for every run when
+    MTNLG_TESTS_REAL_LAUNCHER=1 (to measure what the warm start saves, docs/testing.md)."""
+    if real_launcher or faults or os.environ.get("MTNLG_TESTS_REAL_LAUNCHER") == "1":  # the latter: to compare
+        result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config, base),
+                                cwd=ROOT, env=launcher_env(faults), capture_output=True, text=True, timeout=600)
+    else:
+        result = launch(train_arguments(data_prefix, save, max_steps, extra, processes, ds_config, base), processes,
+                        free_port(), launcher_env(), timeout=600)
     if expect_success:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
