@@ -4,8 +4,9 @@
 #
 #   1. installs what is missing: DeepSpeed 0.19.8 from wheels/ when that folder exists (built beforehand on a machine
 #      with network: bash scripts/gpu_smoke.sh --build-wheels), else from the package index; this project in
-#      editable mode without dependencies; then checks that torch sees CUDA and that every module the run imports is
-#      there, naming what is missing;
+#      editable mode without dependencies (with --site DIR instead: the wheels into DIR, without dependencies, and
+#      DIR and this repository on PYTHONPATH, the Python environment untouched); then checks that torch sees CUDA and
+#      that every module the run imports is there, naming what is missing;
 #   2. tokenises the shipped corpus (data/corpus/botchan.jsonl), as scripts/demo.sh does;
 #   3. trains ds_configs/125m.json, then ds_configs/1.3b.json, 30 steps each on this one GPU: bf16, TP 1 x PP 1,
 #      a fixed global batch of 64 (micro-batch 8, 8 micro-batches; the configs' ramp would start there anyway and
@@ -25,17 +26,22 @@
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
 #      figure; exits 1 if any failed.
 #
-# Usage: bash scripts/gpu_smoke.sh [--dry-run] [--skip-install] [--steps N] [--gpu PRESET] [--allow-cpu]
+# Usage: bash scripts/gpu_smoke.sh [--dry-run] [--skip-install] [--site DIR] [--steps N] [--gpu PRESET] [--allow-cpu]
 #                                  [--set BLOCK.FIELD=VALUE ...]
 #        bash scripts/gpu_smoke.sh --build-wheels
 #   --dry-run        print the commands it would run (one per line, prefixed "+ "), run nothing
 #   --skip-install   use the Python environment as it is
+#   --site DIR       install wheels/*.whl with pip's --target DIR --no-deps (nothing resolved, the environment left as it
+#                    is, read-only or not) and put this repository and DIR first on PYTHONPATH in place of the
+#                    editable install; with --skip-install only the PYTHONPATH (DIR installed before)
 #   --steps N        optimizer steps per config (default 30)
 #   --gpu PRESET     tools/plan.py's hardware preset (default: chosen from the visible GPU; h200 in a dry run)
 #   --allow-cpu      rehearse on CPU (DS_ACCELERATOR=cpu): the same commands, no CUDA check; add --set overrides
 #                    that shrink the models, e.g. --set model.num_layers=2 --set model.hidden_size=64
 #   --set X=Y        one more override for train.py and tools/plan.py (repeatable)
-#   --build-wheels   on a machine with network: write DeepSpeed's wheel (and its dependencies but torch) to wheels/
+#   --build-wheels   on a machine with network, PYTHON a Python with torch (DeepSpeed's build imports it): write to
+#                    wheels/ what the GPU machine's image lacks, for its Python 3.12 on x86-64 (WHEEL_PYTHON): DeepSpeed
+#                    and its requirements, lm-eval and those it imports here; one pinned version of each, for --site
 # Python: $PYTHON, default python3 (the GPU machine's, with its CUDA build of torch; not .venv, which is CPU-only).
 # The launcher listens on $MASTER_PORT, default 29500.
 set -euo pipefail
@@ -53,6 +59,7 @@ DRY_RUN=0
 INSTALL=1
 ALLOW_CPU=0
 BUILD_WHEELS=0
+SITE=""
 GPU_PRESET=""
 EXTRA_SETS=()
 while [ $# -gt 0 ]; do
@@ -60,6 +67,7 @@ while [ $# -gt 0 ]; do
         -h|--help) usage; exit 0 ;;
         --dry-run) DRY_RUN=1 ;;
         --skip-install) INSTALL=0 ;;
+        --site) SITE=$2; shift ;;
         --allow-cpu) ALLOW_CPU=1 ;;
         --build-wheels) BUILD_WHEELS=1 ;;
         --steps) STEPS=$2; shift ;;
@@ -77,12 +85,18 @@ run() {
 }
 
 if [ "$BUILD_WHEELS" = 1 ]; then
-    run "$PY" -m pip wheel deepspeed==0.19.8 --no-deps -w wheels
-    # DeepSpeed's own requirements, torch excepted (the GPU machine has its CUDA build), as wheels for this Python.
-    run "$PY" -m pip download --only-binary=:all: -d wheels einops hjson msgpack ninja numpy packaging psutil \
-        py-cpuinfo "pydantic>=2" tqdm
-    # The evaluation check runs lm-eval's HFLM: lm-eval itself (its own requirements are most of the GPU image's).
-    run "$PY" -m pip download --no-deps -d wheels "lm-eval==0.4.13"
+    # Pure Python (no op is prebuilt: DeepSpeed compiles what it needs on first use); sqlitedict and word2number are
+    # sources only.
+    run "$PY" -m pip wheel --no-deps --no-build-isolation -w wheels deepspeed==0.19.8 sqlitedict==2.1.0 word2number==1.1
+    # The rest as the GPU machine's Python takes them. DeepSpeed's requirements that its image lacks: hjson and
+    # pydantic (2.11: typing-extensions >= 4.12.2, where 2.14 wants 4.16); lm-eval's (tools/evaluate.py, HFLM) that it
+    # lacks: datasets (5.0.1: pyarrow >= 21, huggingface-hub < 2, as the image's 1.33), dill, multiprocess, evaluate,
+    # more-itertools, sqlitedict, word2number. Not carried, as nothing here imports them: pytablewriter (lm-eval's
+    # make_table only) and rouge-score (some of lm-eval's own tasks).
+    run "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels \
+        hjson==3.1.0 pydantic==2.11.10 pydantic-core==2.33.2 annotated-types==0.7.0 typing-inspection==0.4.1 \
+        lm-eval==0.4.13 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 more-itertools==11.2.1
     exit 0
 fi
 
@@ -91,7 +105,19 @@ export GPU_SMOKE_HOST_SYNCS=1  # every training step's host synchronisations, pr
 if [ "$ALLOW_CPU" = 1 ]; then export DS_ACCELERATOR=cpu; fi
 
 echo "== 1. install and check"
-if [ "$INSTALL" = 1 ]; then
+if [ -n "$SITE" ]; then
+    case "$SITE" in /*) ;; *) SITE=$PWD/$SITE ;; esac  # PYTHONPATH holds it for every process, wherever it runs
+    if [ "$INSTALL" = 1 ]; then
+        if [ "$DRY_RUN" = 0 ] && ! compgen -G "wheels/*.whl" >/dev/null; then
+            echo "gpu_smoke.sh: --site installs wheels/*.whl, and there are none (see --build-wheels)" >&2
+            exit 2
+        fi
+        run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            wheels/*.whl
+    fi
+    export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the repository: what the editable install gives
+    echo "+ export PYTHONPATH=$PYTHONPATH"
+elif [ "$INSTALL" = 1 ]; then
     if compgen -G "wheels/*.whl" >/dev/null; then
         run "$PY" -m pip install --no-index --find-links wheels wheels/*.whl
     elif [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import deepspeed" 2>/dev/null; then

@@ -124,6 +124,24 @@ def test_dry_run_installs_deepspeed_then_the_project_without_dependencies(dry_ru
                                                                         ["scripts/gpu_smoke.py", "report"]]
 
 
+def test_site_option_installs_the_wheels_into_a_folder_on_pythonpath(dry_run):
+    """--site DIR: the wheels go into DIR without dependencies (pip resolves nothing against the GPU image), and the
+    repository and DIR go on PYTHONPATH in place of the editable install; the run itself is the same."""
+    result = run_script("--dry-run", "--site", "/tmp/site")
+    assert result.returncode == 0, result.stderr
+    commands = printed_commands(result.stdout)
+    pip = [w for w in commands if w[1:4] == ["-m", "pip", "install"]]
+    assert len(pip) == 1 and "-e" not in pip[0]
+    target = pip[0][4:]
+    assert {"--no-index", "--no-deps"} <= set(target) and target[target.index("--target") + 1] == "/tmp/site"
+    exports = [w[1] for w in commands if w[0] == "export"]
+    assert len(exports) == 1 and exports[0].split("=", 1)[1].split(":")[:2] == [str(ROOT), "/tmp/site"]
+    assert train_commands(commands) == train_commands(dry_run)
+    skipped = printed_commands(run_script("--dry-run", "--skip-install", "--site", "/tmp/site").stdout)
+    assert not [w for w in skipped if w[1:4] == ["-m", "pip", "install"]]
+    assert any(w[0] == "export" and w[1].startswith("PYTHONPATH=") for w in skipped)
+
+
 def test_steps_option_reaches_both_runs():
     result = run_script("--dry-run", "--steps", "5", "--set", "model.num_layers=2")
     assert result.returncode == 0, result.stderr

@@ -41,10 +41,9 @@ import torch.distributed as dist
 from model.config import MoEConfig, ParallelConfig, check_expert_parallel
 from model.layers import partial_gradient_parameters
 from model.moe import MoEBlock
-from model.router import top_k_experts
-from model.router import top_k_experts
 from model.parallel import ParallelContext, build_parallel_context
 from model.primitives import group_rank, group_size
+from model.router import top_k_experts
 from tests.distributed import run_distributed
 from tests.test_device_discipline import default_device
 
