@@ -54,26 +54,39 @@ def document_kernel(backend: str, device: torch.device, dropout: float) -> str:
     return "flex" if device.type == "cuda" else "blockwise"
 
 
+class BlockMasks:
+    """The FlexAttention block mask of the micro-batch a stage runs (model.attention_backend "flex"): made by the
+    stage's first block from the packed sample's (b, s) ids and reused by the others, which receive the same ids
+    tensor. One per model (gpt_layer_specs and GPTModel share it among their blocks, as they share RoPE's table);
+    it holds the last micro-batch's ids and mask until the next one replaces them."""
+
+    def __init__(self) -> None:
+        self._segment_ids: torch.Tensor | None = None
+        self._mask = None
+
+    def of(self, segment_ids: torch.Tensor, heads_length_device: tuple[int, torch.device]):
+        """The block mask of ``segment_ids`` (b, s), made once per ids tensor: block-diagonal causal."""
+        if self._segment_ids is not segment_ids:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document_causal(batch, head, query, key):
+                return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+
+            length, device = heads_length_device
+            self._mask = create_block_mask(same_document_causal, segment_ids.shape[0], None, length, length,
+                                           device=device)
+            self._segment_ids = segment_ids
+        return self._mask
+
+
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                            grouped: bool) -> torch.Tensor:
+                            grouped: bool, block_masks: BlockMasks | None = None) -> torch.Tensor:
     """The attention of ``document_mask`` (model.attention_backend "flex"): FlexAttention with a block mask made from
     the (b, s) ids, so that the blocks outside every document's causal square are never computed; q (b, nh, s, d),
-    k and v (b, g, s, d) with ``grouped`` query heads per key head. No dropout (the config refuses it)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document_causal(batch, head, query, key):
-        return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
-
-    global _last_block_mask
-    if _last_block_mask is None or _last_block_mask[0] is not segment_ids:  # once per micro-batch, not per layer
-        length = q.shape[-2]
-        _last_block_mask = (segment_ids, create_block_mask(same_document_causal, q.shape[0], None, length, length,
-                                                           device=q.device))
-    return _flex_attention(q.device.type)(q, k, v, block_mask=_last_block_mask[1], enable_gqa=grouped)
-
-
-_last_block_mask = None
-"""(segment_ids, its block mask): the blocks of a stage receive the same ids tensor, so one mask serves them all."""
+    k and v (b, g, s, d) with ``grouped`` query heads per key head. No dropout (the config refuses it).
+    ``block_masks``: the stage's, so that its blocks make the mask once per micro-batch (a new one when not given)."""
+    mask = (block_masks or BlockMasks()).of(segment_ids, (q.shape[-2], q.device))
+    return _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=grouped)
 
 
 @functools.cache
@@ -120,9 +133,11 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
-                 rng: RNGStream, recompute_core: bool = False, rotary: RotaryEmbedding | None = None) -> None:
+                 rng: RNGStream, recompute_core: bool = False, rotary: RotaryEmbedding | None = None,
+                 block_masks: BlockMasks | None = None) -> None:
         """``rotary``: the RoPE of the model's blocks, shared so that a stage makes cos and sin once per micro-batch
-        (model/layers.py RotaryEmbedding); a new one when not given (a RoPE config)."""
+        (model/layers.py RotaryEmbedding); a new one when not given (a RoPE config). ``block_masks``: the model's
+        FlexAttention block masks, shared likewise (BlockMasks)."""
         super().__init__()
         h = config.hidden_size
         self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
@@ -132,6 +147,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
         self.backend = config.attention_backend  # the kernel of document masks (document_kernel)
+        self.block_masks = block_masks or BlockMasks()
         self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
         self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"),
@@ -220,7 +236,7 @@ class SelfAttention(nn.Module):
             self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k, segment_ids))
         kernel = None if segment_ids is None else document_kernel(self.backend, q.device, dropout)
         if kernel == "flex":
-            return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1)
+            return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1, self.block_masks)
         if kernel == "blockwise":
             return blockwise_document_attention(q, k, v, segment_ids)  # (b, nh/R, s, d)
         mask = None

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import deepspeed_internals as ds_internals
-from model.attention import SelfAttention
+from model.attention import BlockMasks, SelfAttention
 from model.config import ModelConfig, stages_per_rank
 from model.init import normal_sharded_, parameter_seed
 from model.layers import (
@@ -234,21 +234,24 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x))); ln1 and ln2 are config.norm's norm. In a
     sparse layer of a Mixture-of-Experts model (config.moe.is_sparse) the MLP is model/moe.py's MoEMLP.
 
-    ``rng`` is the model's tensor-parallel stream, shared by all its layers, and ``rotary`` its RoPE (``shared_rotary``:
-    cos and sin made once per micro-batch for a stage's blocks); a layer built alone gets its own.
+    ``rng`` is the model's tensor-parallel stream, shared by all its layers, ``rotary`` its RoPE (``shared_rotary``:
+    cos and sin made once per micro-batch for a stage's blocks) and ``block_masks`` its FlexAttention block masks
+    (likewise once per micro-batch); a layer built alone gets its own.
     ``recompute`` is this block's mode, config.recompute_at(layer_number, PP): "full" checkpoints the whole block,
     "selective" only its attention core, "none" nothing.
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
-                 rng: RNGStream | None = None, rotary: RotaryEmbedding | None = None) -> None:
+                 rng: RNGStream | None = None, rotary: RotaryEmbedding | None = None,
+                 block_masks: BlockMasks | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
         self.recompute = config.recompute_at(layer_number, ctx.pipeline_parallel_size)
         self.ln1 = NORMS[config.norm](config)
         self.attention = SelfAttention(config, ctx, seed, layer_number, self.rng,
-                                       recompute_core=self.recompute == "selective", rotary=rotary)
+                                       recompute_core=self.recompute == "selective", rotary=rotary,
+                                       block_masks=block_masks)
         self.ln2 = NORMS[config.norm](config)
         if config.moe is not None and config.moe.is_sparse(layer_number):
             self.mlp = MoEMLP(MoEBlock(config.moe, config.hidden_size, ctx, seed=seed, layer_number=layer_number,
@@ -311,11 +314,11 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
     """The whole model as DeepSpeed LayerSpecs, first layer to last (the one place the model is assembled).
 
     ``rng``: the tensor-parallel stream the blocks share (a new one seeded for this rank when not given). The blocks
-    share one RotaryEmbedding too: a stage builds only its own blocks, so each stage holds one."""
+    share one RotaryEmbedding and one BlockMasks too: a stage builds only its own blocks, so each stage holds one."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
-    rotary = shared_rotary(config)
+    rotary, block_masks = shared_rotary(config), BlockMasks()
     if config.tie_word_embeddings:
         embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed,
                             tied_weight_attr="weight")
@@ -325,7 +328,8 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
     return [
         first,
         LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed, rng),
-        *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng, rotary) for n in range(1, config.num_layers + 1)],
+        *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng, rotary, block_masks)
+          for n in range(1, config.num_layers + 1)],
         LayerSpec(FINAL_NORMS[config.norm], config, ctx, seed),
         head,
     ]
@@ -395,9 +399,9 @@ class GPT(nn.Module):
         self.word_embeddings = WordEmbedding(config, self.ctx, seed)
         self.position_embedding = POSITION_LAYERS[config.position_embedding](config, self.ctx, seed,
                                                                               self.tensor_parallel_rng)
-        rotary = shared_rotary(config)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng, rotary)
-                                    for n in range(1, config.num_layers + 1))
+        rotary, block_masks = shared_rotary(config), BlockMasks()
+        self.layers = nn.ModuleList(TransformerLayer(config, self.ctx, seed, n, self.tensor_parallel_rng, rotary,
+                                                     block_masks) for n in range(1, config.num_layers + 1))
         self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)
         self.output_head = None if config.tie_word_embeddings else OutputHead(config, self.ctx, seed)
 

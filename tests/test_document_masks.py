@@ -169,6 +169,30 @@ def test_flex_attention_computes_the_sdpa_reference(architecture) -> None:
         preset("tiny", attention_backend="flash")
 
 
+def test_a_models_blocks_make_one_block_mask_per_micro_batch_and_models_share_none(monkeypatch) -> None:
+    """The FlexAttention block mask is the model's (model/attention.py BlockMasks, shared by its blocks as RoPE's
+    table is), not a module-level cache that every model of the process would share: made once per micro-batch for
+    all the blocks, again for a new micro-batch, and never handed to another model's blocks."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    made = []
+    real = flex_module.create_block_mask
+    monkeypatch.setattr(flex_module, "create_block_mask", lambda *a, **k: made.append(1) or real(*a, **k))
+    first, second = (GPT(preset("tiny", attention_backend="flex"), seed=7).eval() for _ in range(2))
+    assert len(first.layers) > 1 and len({id(layer.attention.block_masks) for layer in first.layers}) == 1
+    assert first.layers[0].attention.block_masks is not second.layers[0].attention.block_masks
+    (tokens, positions, segment_ids), _ = next(MicroBatchLoader(
+        Packed(24), 4, 0, 1, eod_token_id=EOD, reset_attention_mask=True, reset_position_ids=True,
+        document_boundaries="eod_token"))
+    with torch.no_grad():
+        first(tokens, positions, segment_ids)
+        assert len(made) == 1  # one for the model's blocks
+        second(tokens, positions, segment_ids)
+        assert len(made) == 2  # the other model makes its own
+        first(tokens, positions, segment_ids.clone())
+        assert len(made) == 3  # a new micro-batch, a new mask
+
+
 @pytest.mark.parametrize(("heads", "groups", "length", "documents", "max_scores"), [
     (4, 4, 64, 1, None),  # one document: plain causal attention, in one block
     (4, 2, 100, 7, 3000),  # GQA, documents of random lengths, blocks of 16 queries
