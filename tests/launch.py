@@ -1,9 +1,11 @@
-"""Launch train.py as users do (the deepspeed launcher, 4 CPU processes, TP 2 x PP 2) and read what it logged.
+"""Launch train.py as users do (4 CPU processes, TP 2 x PP 2, with the launcher's environment) and read what it logged.
 
-The runs go through DeepSpeed's per-node launcher, ``python -m deepspeed.launcher.launch``, the program its
-``deepspeed`` command starts on every node (locally for --num_gpus, over pdsh for a hostfile) and the one that starts
-the ranks. The ``deepspeed`` command itself, a second Python process with DeepSpeed imported in front of it (about
-3 s per launch on 2 cores), is run by tests/test_launchers.py with a hostfile.
+``run_training`` forks the ranks from the suite's warm process with what DeepSpeed's per-node launcher gives them
+(tests/warm_launch.py): 5-10 s less per launch on 2 cores than starting fresh interpreters. Runs with injected faults
+go through the per-node launcher itself, ``python -m deepspeed.launcher.launch`` (``train_command``), the program
+the ``deepspeed`` command starts on every node (locally for --num_gpus, over pdsh for a hostfile) and the one that
+starts the ranks; so do the fault suite's signals. The ``deepspeed`` command itself and torchrun are run by
+tests/test_launchers.py, which also checks that the warm start gives bitwise the run the real launcher gives.
 """
 
 from __future__ import annotations

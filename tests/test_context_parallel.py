@@ -119,7 +119,7 @@ def test_context_parallelism_with_expert_parallelism_or_dualpipev_is_refused():
         ParallelConfig(context_parallel_size=3, tensor_parallel_size=2).data_parallel_size(8)
 
 
-# -- training through train.py and the deepspeed launcher ------------------------------------------------------------
+# -- training through train.py (tests/launch.py) ---------------------------------------------------------------------
 # tests/launch.py's run: 2 layers, seq_length 32, micro-batch 2, the ramp 4 -> 8 -> 12 -> 16 over the first steps,
 # warmup and cosine, a checkpoint every 4 steps; here with eod_mask_loss, so that the slices' masks differ.
 CP_STEPS = 10

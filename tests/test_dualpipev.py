@@ -11,7 +11,7 @@ last bit here, or one fp32 rounding of the norm).
   sparse blocks run, scaled by the micro-batch count of each step of the ramp.
 - bf16 (BF16_Optimizer) under DualPipeV at (2, 2, 2) stays within the bounds tests/test_model_parallel.py derives
   from bf16's precision for bf16 against fp32.
-- Through ``train.py`` and the deepspeed launcher at TP 2 x PP 2: a DualPipeV run equals the 1F1B reference of
+- Through ``train.py`` (tests/launch.py) at TP 2 x PP 2: a DualPipeV run equals the 1F1B reference of
   tests/test_reshape.py step for step (its first 4 steps run the V-shaped schedule, the log says which and why);
   resumed under DualPipeV it continues bit for bit; its checkpoint resumes under 1F1B, and the 1F1B reference's
   under DualPipeV (another layout: through DeepSpeed's universal checkpoint), both within 1e-5.

@@ -70,7 +70,7 @@ def assert_resumes_to_the_reference(corpus: Path, save: Path, reference: Path) -
 SLOW_WRITER = {"writer_delay_s": 0.25}  # 1.5 s per checkpoint of a rank's 6 files: still in flight steps later
 
 
-def test_sigterm_checkpoints_exits_0_within_the_deadline_and_resumes_exactly(corpus, straight_run, tmp_path):
+def test_sigterm_to_the_real_launcher_checkpoints_exits_0_within_the_deadline_and_resumes_exactly(corpus, straight_run, tmp_path):
     """The signal arrives while the step-4 checkpoint is still being written (a slow writer): the run waits for it,
     commits it, writes the current step's, commits that, and exits 0; the relaunch resumes bitwise."""
     save = tmp_path / "checkpoints"
@@ -90,7 +90,7 @@ def test_sigterm_checkpoints_exits_0_within_the_deadline_and_resumes_exactly(cor
     assert_resumes_to_the_reference(corpus, save, straight_run)
 
 
-def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes_exactly(corpus, straight_run, tmp_path):
+def test_sigkill_of_one_rank_ends_the_real_launchers_job_and_the_relaunch_resumes_exactly(corpus, straight_run, tmp_path):
     """A rank killed while the step-8 checkpoint is being written (a slow writer): the relaunch resumes from step 4,
     the previous complete checkpoint, bitwise."""
     save = tmp_path / "checkpoints"

@@ -1,6 +1,10 @@
-"""train.py under the launchers of the design card, with the real DeepSpeed launcher on CPU processes.
+"""train.py under the real launchers of the design card, on CPU processes (the rest of the suite starts its ranks from
+a warm process with the launcher's environment, tests/warm_launch.py; these runs prove the launchers themselves, and
+that the warm start is the real thing).
 
 - ``deepspeed --hostfile HOSTS train.py ...`` with a one-node hostfile (``localhost slots=4``): the reference.
+- torchrun (``python -m torch.distributed.run --nproc_per_node 4``), which passes no --local_rank: the same run.
+- The tests' warm start (tests/launch.py run_training): the same run, bitwise.
 - Two nodes on one machine: two ``deepspeed.launcher.launch`` processes, started exactly as DeepSpeed's multi-node
   runner starts one on each node over pdsh (the same base64 world info, master address and port; node_rank 0 and
   1; 2 ranks each). The ranks find each other through MASTER_ADDR:PORT as they would across machines, and the run
@@ -25,6 +29,7 @@ from tests.launch import (
     final_weights,
     launcher_env,
     node_launcher,
+    run_training,
     same_weights,
     train_arguments,
     trajectory,
@@ -64,7 +69,7 @@ def hostfile_run(corpus, tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.distributed
-def test_hostfile_launch_trains_and_checkpoints(hostfile_run):
+def test_the_real_deepspeed_command_with_a_hostfile_trains_and_checkpoints(hostfile_run):
     save, output = hostfile_run
     assert [step for step, *_ in trajectory(save)] == [1, 2]
     assert (save / "latest").read_text() == "global_step2"
@@ -80,8 +85,47 @@ def launch_node(node_rank: int, world_info: dict[str, list[int]], port: int, arg
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def same_run(save: Path, reference: Path) -> None:
+    """Bitwise the same run: losses, learning rates and batches, the checkpoint's files, weights, and the fp32
+    master weights and Adam moments of every rank."""
+    assert trajectory(save) == trajectory(reference)
+    assert checkpoint_files(save) == checkpoint_files(reference)
+    assert same_weights(final_weights(save), final_weights(reference))
+    tag = (save / "latest").read_text()
+    for name in checkpoint_files(save):
+        if name.startswith("zero_pp_rank"):  # the fp32 master weights and Adam moments of every rank
+            ours = torch.load(save / tag / name, weights_only=False)["optimizer_state_dict"]
+            theirs = torch.load(reference / tag / name, weights_only=False)["optimizer_state_dict"]
+            assert torch.equal(_flat_states(ours), _flat_states(theirs)), name
+
+
 @pytest.mark.distributed
-def test_two_nodes_train_as_one(corpus, hostfile_run, tmp_path):
+def test_torchrun_trains_as_the_real_deepspeed_command(corpus, hostfile_run, tmp_path):
+    """torchrun sets LOCAL_RANK and passes no --local_rank: the same ranks in the same places, the same run."""
+    reference, reference_output = hostfile_run
+    save = tmp_path / "checkpoints"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *train_arguments(corpus, save, STEPS, TP2_PP2)]
+    result = subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert rank_map(result.stdout + result.stderr) == rank_map(reference_output)
+    same_run(save, reference)
+
+
+@pytest.mark.distributed
+def test_the_tests_warm_start_equals_the_real_deepspeed_command(corpus, hostfile_run, tmp_path):
+    """The ranks the rest of the suite forks from its warm process (tests/warm_launch.py) get what the launcher
+    gives: the same ranks, local ranks and places, and bitwise the same run."""
+    reference, reference_output = hostfile_run
+    save = tmp_path / "checkpoints"
+    result = run_training(corpus, save, STEPS, TP2_PP2)
+    assert result.args[0] == "warm"
+    assert rank_map(result.stdout + result.stderr) == rank_map(reference_output)
+    same_run(save, reference)
+
+
+@pytest.mark.distributed
+def test_two_real_node_launchers_train_as_one_node(corpus, hostfile_run, tmp_path):
     reference, reference_output = hostfile_run
     save = tmp_path / "checkpoints"
     world_info = {"node-a": [0, 1], "node-b": [0, 1]}
@@ -96,15 +140,7 @@ def test_two_nodes_train_as_one(corpus, hostfile_run, tmp_path):
     assert {rank: local for rank, (local, _) in ranks.items()} == {0: 0, 1: 1, 2: 0, 3: 1}
     assert {rank: where for rank, (_, where) in ranks.items()} == \
         {rank: where for rank, (_, where) in rank_map(reference_output).items()}
-    assert trajectory(save) == trajectory(reference)  # losses, learning rates, batches: bitwise
-    assert checkpoint_files(save) == checkpoint_files(reference)
-    assert same_weights(final_weights(save), final_weights(reference))
-    tag = (save / "latest").read_text()
-    for name in checkpoint_files(save):
-        if name.startswith("zero_pp_rank"):  # the fp32 master weights and Adam moments of every rank
-            ours = torch.load(save / tag / name, weights_only=False)["optimizer_state_dict"]
-            theirs = torch.load(reference / tag / name, weights_only=False)["optimizer_state_dict"]
-            assert torch.equal(_flat_states(ours), _flat_states(theirs)), name
+    same_run(save, reference)
 
 
 def _flat_states(optimizer_state: dict) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A Llama-shaped model trains through train.py and the deepspeed launcher like the GPT: ds_configs/llama-tiny-cpu.json
+"""A Llama-shaped model trains through train.py (tests/launch.py) like the GPT: ds_configs/llama-tiny-cpu.json
 (RoPE, RMSNorm, SwiGLU, 8 query heads in 2 KV groups, untied head) at TP 2 x PP 2 on 4 CPU processes, the loss
 falls, a stop at step 4 resumed to step 8 is bitwise the uninterrupted run, a resume at another layout continues it
 (to 1e-5: fp32, another summation order), and a run can start from a Hugging Face Llama imported in one command."""

@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts model trains through train.py and the deepspeed launcher: ds_configs/llama-tiny-cpu.json with
+"""A Mixture-of-Experts model trains through train.py (tests/launch.py): ds_configs/llama-tiny-cpu.json with
 ``model.moe`` (4 experts, top 2, a shared expert, the first block dense, DeepSeek-V3's aux-loss-free router with its
 bias) at TP 2 x PP 2 on 4 CPU processes, EP 1.
 Of the 2 blocks (tests/launch.py's overrides) the first stage holds the dense one only: it takes part in the step,

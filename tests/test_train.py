@@ -1,4 +1,5 @@
-"""train.py end to end, launched as users launch it: the deepspeed launcher, 4 CPU processes, TP 2 x PP 2.
+"""train.py end to end, launched as users launch it: 4 CPU processes, TP 2 x PP 2, the launcher's environment
+(tests/launch.py).
 
 One straight run of 12 steps (the ramp changes the number of micro-batches mid-run; the loss falls), and one run
 stopped after 6 steps and resumed to 12: the per-step losses, learning rates and batch sizes are identical (bitwise,
