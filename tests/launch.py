@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -90,12 +91,18 @@ def run_training(data_prefix: Path, save: Path, max_steps: int = STEPS, extra: l
     (tests/warm_launch.py), or through DeepSpeed's per-node launcher itself with ``real_launcher``, for every run
     with injected faults (the fault suite proves the launcher's handling of a failing rank), and for every run when
     MTNLG_TESTS_REAL_LAUNCHER=1 (to measure what the warm start saves, docs/testing.md)."""
-    if real_launcher or faults or os.environ.get("MTNLG_TESTS_REAL_LAUNCHER") == "1":  # the latter: to compare
+    started = time.monotonic()
+    real = real_launcher or bool(faults) or os.environ.get("MTNLG_TESTS_REAL_LAUNCHER") == "1"  # the latter: to compare
+    if real:
         result = subprocess.run(train_command(data_prefix, save, max_steps, extra, processes, ds_config, base),
                                 cwd=ROOT, env=launcher_env(faults), capture_output=True, text=True, timeout=600)
     else:
         result = launch(train_arguments(data_prefix, save, max_steps, extra, processes, ds_config, base), processes,
                         free_port(), launcher_env(), timeout=600)
+    if os.environ.get("MTNLG_TESTS_LAUNCH_LOG"):  # one line per launch: what docs/testing.md's figures are made of
+        with open(os.environ["MTNLG_TESTS_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps({"seconds": round(time.monotonic() - started, 2), "processes": processes,
+                                  "real_launcher": real, "steps": max_steps}) + "\n")
     if expect_success:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
