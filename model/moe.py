@@ -106,6 +106,7 @@ from model.layers import mark_partial_over_tensor_parallel, mark_tensor_parallel
 from model.parallel import ParallelContext
 from model.primitives import (
     Group,
+    all_gather_single,
     all_to_all,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -409,7 +410,7 @@ class MoEBlock(nn.Module):
         ranks, local, tp = self.expert_parallel_size, self.local_experts, group_size(self.group)
         received = all_to_all(counts, [local] * ranks, [local] * ranks, self.expert_group).view(ranks, local)
         peers = received.new_empty((tp * ranks, local))  # every TP rank's received counts, (TP, P, E_l) below
-        dist.all_gather_single(peers, received.contiguous(), group=self.group)
+        all_gather_single(peers, received.contiguous(), group=self.group)
         peers = peers.view(tp, ranks, local)
         host = torch.cat([counts, peers.reshape(-1)]).tolist()  # the block's one read
         sent_host, peers_host = host[:ranks * local], host[ranks * local:]

@@ -36,6 +36,11 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 names the single-tensor collectives all_gather_single and reduce_scatter_single (the old names forward to
+# them, with a deprecation warning); torch 2.11 and 2.12, as GPU images ship them, have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -79,7 +84,7 @@ def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     gathered = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # (R b, s/R, ...)
-    dist.all_gather_single(gathered, x, group=group)
+    all_gather_single(gathered, x, group=group)
     gathered = gathered.view(world, *x.shape)  # (R, b, s/R, ...)
     return gathered.transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
 
@@ -94,7 +99,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {world}")
     chunks = x.reshape(b, world, s // world, *x.shape[2:]).transpose(0, 1).contiguous()  # (R, b, s/R, ...)
     shard = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(shard, chunks.view(world * b, *chunks.shape[2:]), group=group)
+    reduce_scatter_single(shard, chunks.view(world * b, *chunks.shape[2:]), group=group)
     return shard
 
 
@@ -150,7 +155,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tenso
     padded = x.new_zeros((largest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     gathered = x.new_empty((len(sizes) * largest, *x.shape[1:]))
-    dist.all_gather_single(gathered, padded, group=group)
+    all_gather_single(gathered, padded, group=group)
     return torch.cat([gathered[r * largest:r * largest + size] for r, size in enumerate(sizes)])
 
 
@@ -161,7 +166,7 @@ def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: Group) -> tor
     for r, part in enumerate(x.split(sizes)):
         padded[r, : part.shape[0]] = part
     mine = x.new_empty((largest, *x.shape[1:]))
-    dist.reduce_scatter_single(mine, padded.view(len(sizes) * largest, *x.shape[1:]), group=group)
+    reduce_scatter_single(mine, padded.view(len(sizes) * largest, *x.shape[1:]), group=group)
     return mine[: sizes[group_rank(group)]]
 
 
