@@ -413,17 +413,25 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, length: int, dtype: torch.dtype, device: torch.device, offset: int = 0,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``position_ids`` (b, s) -> each (b, 1, s, d), or of positions offset .. offset + length - 1
-        -> each (s, d): the kept table when its key matches (class docstring)."""
+        -> each (s, d): the kept table when its key matches (class docstring). Inside a compiled block
+        (training.compile) the table is made in the block's graph, where inductor fuses it, and not kept: the key's
+        torch.is_inference_mode_enabled() breaks a graph, and at that break torch 2.13 replayed the views q and k
+        wrongly from the block's second call on (a RuntimeError with a garbage shape)."""
+        if torch.compiler.is_compiling():
+            return self._make(length, dtype, device, offset, position_ids)
         version = None if position_ids is None else position_ids._version  # an id tensor written in place is new
         key = (length, offset, dtype, device, torch.is_inference_mode_enabled(), version)
         if self._table is not None and self._table[0] == key and self._table[1] is position_ids:
             return self._table[2], self._table[3]
-        if position_ids is not None:
-            cos, sin = rope_cos_sin_at(self.inv_freq, position_ids, dtype, self.attention_scaling)
-        else:
-            cos, sin = rope_cos_sin(self.inv_freq, length, dtype, device, offset, self.attention_scaling)
+        cos, sin = self._make(length, dtype, device, offset, position_ids)
         self._table = (key, position_ids, cos, sin)
         return cos, sin
+
+    def _make(self, length: int, dtype: torch.dtype, device: torch.device, offset: int,
+              position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is not None:
+            return rope_cos_sin_at(self.inv_freq, position_ids, dtype, self.attention_scaling)
+        return rope_cos_sin(self.inv_freq, length, dtype, device, offset, self.attention_scaling)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -223,6 +223,11 @@ class TrainingConfig:
     eval_tasks_tokenizer: str | None = None
     """The Hugging Face tokenizer of the training data (default: the one the run started from, training.init_from's
     or model.from_hf's, else GPT-2's)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (inductor), regionally: the blocks, not the model
+    (training/compile.py says what runs compiled and what stays eager). Equal to the eager run within fp32 rounding,
+    dropout included; the compilation, during the first step, is logged once after the second. Off by default until
+    scripts/gpu_smoke.sh has measured it on a GPU."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval",):

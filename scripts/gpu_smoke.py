@@ -4,7 +4,8 @@
     python scripts/gpu_smoke.py check [--allow-cpu]     torch sees CUDA; every module the run imports is installed
     python scripts/gpu_smoke.py plan-args [--gpu P]     tools/plan.py's hardware arguments for the visible GPU
     python scripts/gpu_smoke.py report RUN CONFIG...    measured (RUN/CONFIG/metrics.jsonl, RUN/CONFIG.log) beside
-                                                        predicted (RUN/CONFIG.plan.json), one row per config
+        [--compiled EAGER:COMPILED]                     predicted (RUN/CONFIG.plan.json), one row per config; then
+                                                        run COMPILED (training.compile) against run EAGER
 """
 
 from __future__ import annotations
@@ -154,6 +155,23 @@ def report(run: Path, configs: list[str]) -> int:
     return status
 
 
+def compiled_against_eager(run: Path, eager: str, compiled: str) -> str:
+    """One line: the compiled run's median tokens/s and MFU against the eager run's, and the compile time its trainer
+    logged (training/compile.py); the same steps counted in both (``measured``)."""
+    try:
+        base, got = measured(run, eager), measured(run, compiled)
+    except (OSError, KeyError, ValueError) as error:
+        return f"{compiled}: no result: {error}"
+    if not got["steps"] or not base["steps"]:
+        return f"{compiled}: no steps counted"
+    log = (run / f"{compiled}.log").read_text(errors="replace") if (run / f"{compiled}.log").exists() else ""
+    clock = re.search(r"\[compile\] .* in about ([\d.]+) s", log)
+    mfu = _pair(got.get("mfu"), base.get("mfu"), ".1%")
+    return (f"{compiled} (training.compile) against {eager}: tokens/s {got['tokens_per_second']:,.0f} / "
+            f"{base['tokens_per_second']:,.0f} ({got['tokens_per_second'] / base['tokens_per_second']:.3f}x), "
+            f"MFU {mfu}; compiled in about {clock[1] + ' s' if clock else 'n/a (no [compile] line)'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -162,13 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     reporting = commands.add_parser("report")
     reporting.add_argument("run", type=Path)
     reporting.add_argument("configs", nargs="+")
+    reporting.add_argument("--compiled", default=None, metavar="EAGER:COMPILED",
+                           help="the run of COMPILED (training.compile) against that of EAGER, both in RUN")
     args = parser.parse_args(argv)
     if args.command == "check":
         return check(args.allow_cpu)
     if args.command == "plan-args":
         print(" ".join(plan_args(args.gpu)))
         return 0
-    return report(args.run, args.configs)
+    status = report(args.run, args.configs)
+    if args.compiled:
+        print(compiled_against_eager(args.run, *args.compiled.split(":", 1)))
+    return status
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@
 #      "[host-syncs]" line per step (scripts/gpu_smoke_syncs.py);
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
-#      figure; exits 1 if any failed.
+#      figure; exits 1 if any failed. A third 125m run, its blocks compiled (training.compile, off by default until
+#      measured here), prints its tokens/s, MFU and compile time against the eager 125m run's.
 #
 # Usage: bash scripts/gpu_smoke.sh [--dry-run] [--skip-install] [--site DIR] [--steps N] [--gpu PRESET] [--allow-cpu]
 #                                  [--set BLOCK.FIELD=VALUE ...]
@@ -178,6 +179,8 @@ for CONFIG in "${CONFIGS[@]}"; do
     printf '+'; printf ' %q' "${PLAN[@]}"; printf ' > %q\n' "$RUN/$CONFIG.plan.json"
     "${PLAN[@]}" > "$RUN/$CONFIG.plan.json" || true
 done
+echo "== 3b. train 125m again, its blocks compiled (training.compile): tokens/s and MFU against the eager run"
+train 125m "$RUN/125m-compiled" "$STEPS" 0 async "$RUN/125m-compiled.log" --set training.compile=true || true
 
 # Each check writes RUN/checks/NN-name.json; a command that fails leaves its record unwritten, which the summary
 # counts as a failure, so the script goes on to the next check.
@@ -220,5 +223,5 @@ else
 fi
 
 echo "== 6. measured beside tools/plan.py's prediction, and every check"
-run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" || true
+run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" --compiled 125m:125m-compiled || true
 run "$PY" "${CHECK[@]}" summary "$RUN" 9 "${CONFIGS[@]}"

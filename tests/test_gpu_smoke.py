@@ -78,7 +78,7 @@ def test_dry_run_trains_both_configs_30_steps_bf16_tp1_pp1_on_one_gpu(dry_run):
     assert len(preprocess) == 1 and "data/corpus/botchan.jsonl" in preprocess[0]
     prefix = preprocess[0][preprocess[0].index("--output-prefix") + 1]
     runs = train_commands(dry_run)
-    assert len(runs) == 4  # both configs, then the 125m run stopped at step 20 and resumed
+    assert len(runs) == 5  # both configs, 125m compiled, then the 125m run stopped at step 20 and resumed
     for name, argv in zip(CONFIGS, runs[:2], strict=True):
         args = train.parse_args(argv)
         assert args.ds_config == f"ds_configs/{name}.json" and args.data_path == [f"{prefix}_text_document"]
@@ -147,8 +147,20 @@ def test_steps_option_reaches_both_runs():
     assert result.returncode == 0, result.stderr
     runs = [load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
             for argv in train_commands(printed_commands(result.stdout))]
-    assert [config.training.max_steps for config in runs] == [5, 5, 2, 5]  # the stop at 2 x (5 // 3)
+    assert [config.training.max_steps for config in runs] == [5, 5, 5, 2, 5]  # the stop at 2 x (5 // 3)
     assert all(config.model.num_layers == 2 for config in runs)
+
+
+def test_dry_run_trains_125m_again_compiled_and_reports_it_against_eager(dry_run):
+    """training.compile, off by default until measured on a GPU: the third run is 125m's, compiled, as many steps."""
+    eager, compiled = (load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
+                       for argv in (train_commands(dry_run)[0], train_commands(dry_run)[2]))
+    assert (eager.training.compile, compiled.training.compile) == (False, True)
+    assert compiled.training.save == "runs/gpu_smoke/125m-compiled" and compiled.training.save_interval == 0
+    assert compiled.training.max_steps == eager.training.max_steps and compiled.model == eager.model
+    assert compiled.global_batch_size == eager.global_batch_size and compiled.training.log_interval == 1
+    report = next(w for w in dry_run if w[1:3] == ["scripts/gpu_smoke.py", "report"])
+    assert report[report.index("--compiled") + 1] == "125m:125m-compiled"
 
 
 # -- the checks on the checkpoint (scripts/gpu_smoke_checks.py): their commands, and each judge on known inputs ------
@@ -159,7 +171,7 @@ import gpu_smoke_checks as checks  # noqa: E402
 
 def test_dry_run_stops_and_resumes_the_125m_run_in_one_checkpoint_directory(dry_run):
     stopped, resumed = (load_run_config(ROOT / train.parse_args(argv).ds_config, train.parse_args(argv).set)
-                        for argv in train_commands(dry_run)[2:])
+                        for argv in train_commands(dry_run)[3:])
     assert stopped.training.save == resumed.training.save == "runs/gpu_smoke/125m-resume"
     assert (stopped.training.max_steps, resumed.training.max_steps) == (20, 30)
     assert (stopped.training.checkpoint_mode, resumed.training.checkpoint_mode) == ("sync", "async")
@@ -254,6 +266,14 @@ def test_the_report_prints_the_trainers_measured_over_planned(tmp_path, capsys):
     assert gpu_smoke.report(tmp_path, ["125m"]) == 0
     assert "measured / planned (training/plan_check.py, median): iteration time 1.205, tokens/s 0.830" in \
         capsys.readouterr().out
+    (tmp_path / "125m-compiled").mkdir()
+    faster = [{**r, "tokens_per_second": 1.25e5, "mfu": 0.125} for r in records]
+    (tmp_path / "125m-compiled" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in faster))
+    (tmp_path / "125m-compiled.log").write_text("[compile] 12 block(s) of this stage compiled with torch.compile "
+                                                "(training.compile) in about 41.5 s: the first step took 43.0 s\n")
+    assert gpu_smoke.compiled_against_eager(tmp_path, "125m", "125m-compiled") == (
+        "125m-compiled (training.compile) against 125m: tokens/s 125,000 / 100,000 (1.250x), MFU 12.5% / 10.0%; "
+        "compiled in about 41.5 s")
 
 
 def test_the_snapshot_check_fails_without_the_snapshot(tmp_path):

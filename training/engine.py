@@ -16,6 +16,7 @@ from model.moe import keep_router_biases_fp32, set_gradient_scale, sparse_layers
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
+from training.compile import compile_blocks
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -54,13 +55,14 @@ def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any], why: str = S
 
 
 def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
-                 seed: int, z_loss: float = 0.0) -> tuple[Any, ParallelContext]:
+                 seed: int, z_loss: float = 0.0, compiled: bool = False) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
 
     ``deepspeed_config`` holds DeepSpeed's own keys only. torch's default random stream is seeded per pipeline stage,
     the same on every TP rank of a stage, so that dropout masks of replicated activations agree across TP ranks; the
     model's tensor-parallel stream is seeded per TP rank and stage (model/random.py says which serves which dropout).
-    ``z_loss``: the z-loss coefficient of the objective (model/loss.py).
+    ``z_loss``: the z-loss coefficient of the objective (model/loss.py). ``compiled``: training.compile, the stage's
+    blocks compiled (training/compile.py); the module's ``compiled_blocks`` says how many.
     """
     import deepspeed
 
@@ -85,6 +87,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         deepspeed_config = _unpartitioned_pipe_transfers(deepspeed_config)
     torch.manual_seed(default_stream_seed(seed, context))
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss, schedule)
+    module.compiled_blocks = compile_blocks(module) if compiled else 0
     weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     ds_internals.skip_muon_kernels(str(deepspeed_config.get("optimizer", {}).get("type", "")))
     param_groups = weight_decay_groups(module, weight_decay)

@@ -77,7 +77,7 @@ def run(config: RunConfig) -> TrainState:
             deepspeed_config = {**deepspeed_config,
                                 "checkpoint": {**deepspeed_config.get("checkpoint", {}), "load_universal": True}}
         engine, ctx = build_engine(config.model, config.parallelism, deepspeed_config, config.training.seed,
-                                   config.training.z_loss)
+                                   config.training.z_loss, config.training.compile)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {socket.gethostname()} (local rank "
               f"{os.environ.get('LOCAL_RANK', '0')}): {ctx.describe()}", flush=True)
         train_loader, valid_loader = build_loader_factories(config, ctx)

@@ -34,6 +34,7 @@ from runconfig.monitors import snapshot_config
 from runconfig.run import RunConfig
 from runconfig.schedules import future_batches, pipeline_slots
 from training import checkpoint
+from training.compile import CompileClock
 from training.data import describe_layout
 from training.engine import pipeline_schedule_of, set_global_batch
 from training.faults import FaultPlan, FaultyLoader
@@ -134,6 +135,8 @@ class Trainer:
         # The log's spike count, on every run, guard or not: the same rule on train_batch's loss (_count_spike).
         self.spike_detector = SpikeDetector.of(self.spike_guard.config)
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
+        # training.compile: the blocks compile in the first step; one line after the second (training/compile.py)
+        self.compile_clock = CompileClock(getattr(engine.module, "compiled_blocks", 0), self.logger.info)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -216,11 +219,13 @@ class Trainer:
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
             set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size)
             data = iter(data)
+        self.compile_clock.start()
         try:
             loss = self.engine.train_batch(data_iter=data).item()
         finally:
             self.spike_guard.end_step()  # evaluation, which runs the same loss function, finds the guard inactive
             clear_step_tokens(objective)  # and each micro-batch's own mean
+        self.compile_clock.stop(self.engine.gradient_accumulation_steps())
         traced = self.profiler.after_step(self.state.step + 1)
         if traced is not None:
             print(f"[profile] rank {dist.get_rank()}: steps {self.profiler.config.steps[0]}-{self.state.step + 1} "
