@@ -54,7 +54,9 @@ def _rank(rank: int, world_size: int, port: int, env: dict[str, str], cwd: str, 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     script = arguments[0]
     sys.argv = [script, f"--local_rank={rank}", *arguments[1:]]
-    sys.path[0] = str(Path(script).resolve().parent)
+    # as a fresh interpreter's: the script's folder, then PYTHONPATH's entries (a test may hide a package with one)
+    python_path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:1] = [str(Path(script).resolve().parent), *python_path]
     status = 0
     try:
         runpy.run_path(script, run_name="__main__")  # train.py ends with os._exit(main()) once its files are written
