@@ -21,7 +21,8 @@
 #      document masks on packed samples with FlexAttention (model.attention_backend "flex") against SDPA's reference;
 #      the host synchronisations (torch.cuda.set_sync_debug_mode) of a dense (also on packed documents) and a sparse
 #      Llama block of 125m's shape, forward and backward, and of every training step, by owner (model, training, DeepSpeed): each run prints a
-#      "[host-syncs]" line per step (scripts/gpu_smoke_syncs.py);
+#      "[host-syncs]" line per step (scripts/gpu_smoke_syncs.py); FlexAttention's memory on 8 packed documents at
+#      16k and 32k positions, one 125m block forward and backward, against planner/memory.py's figure;
 #   5. prints one table: per config the measured tokens/s, TFLOP/s, MFU and peak memory beside what tools/plan.py
 #      predicts, and the trainer's own measured / planned ratios; then every check with pass, fail or skip and its
 #      figure; exits 1 if any failed. A third 125m run, its blocks compiled (training.compile, off by default until
@@ -210,6 +211,7 @@ run "$PY" "${CHECK[@]}" memory-snapshot "$RUN" 7 "$CKPT/memory/snapshot_step${SN
 run "$PY" "${CHECK[@]}" document-masks "$RUN" 8 ds_configs/125m.json "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" || true
 run "$PY" "${CHECK[@]}" host-syncs "$RUN" 9 ds_configs/125m.json --train-log "$RUN/125m.log" "${RUN_SETS[@]}" \
     "${EXTRA_SETS[@]}" || true
+run "$PY" "${CHECK[@]}" flex-memory "$RUN" 10 ds_configs/125m.json "${RUN_SETS[@]}" "${EXTRA_SETS[@]}" || true
 GPUS=1
 if [ "$DRY_RUN" = 0 ]; then GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" || echo 0); fi
 if [ "$GPUS" -ge 2 ]; then
@@ -224,4 +226,4 @@ fi
 
 echo "== 6. measured beside tools/plan.py's prediction, and every check"
 run "$PY" scripts/gpu_smoke.py report "$RUN" "${CONFIGS[@]}" --compiled 125m:125m-compiled || true
-run "$PY" "${CHECK[@]}" summary "$RUN" 9 "${CONFIGS[@]}"
+run "$PY" "${CHECK[@]}" summary "$RUN" 10 "${CONFIGS[@]}"

@@ -19,6 +19,10 @@
     document-masks          two 125m blocks on packed samples (documents closed by    logits and gradient norm within
                             the end token), fp32, model.attention_backend "flex"      1e-4 (relative) of SDPA's
                             against "sdpa", forward and backward, timed
+    flex-memory             one block of the config, bf16, on samples of 8 packed      what the forward keeps within
+                            documents at s 16384 and 32768, FlexAttention's forward   10% of the planner's figure at
+                            and backward: what it keeps and its peak (CUDA's           each length; the peak grows at
+                            allocator), against planner/memory.py's                   most 2.2x from 16k to 32k
     memory-snapshot         the 125m run's training.memory_snapshot at step 3         the pickle holds segments and
                             (torch.cuda.memory._dump_snapshot, Python stacks)         allocation events with Python
                                                                                       frames
@@ -161,6 +165,65 @@ def compare_attention_backends(model_config, micro_batch: int, end: int, seed: i
     return {"logits_error": ((flex - reference).abs().max() / reference.abs().max()).item(),
             "norm_error": abs(flex_norm - reference_norm) / reference_norm if backward else 0.0,
             "documents": int(segment_ids.max(dim=1).values.sum()) + micro_batch, "sdpa_s": sdpa_s, "flex_s": flex_s}
+
+
+# -- document masks at long context: FlexAttention's memory, linear in s ------------------------------------------
+
+FLEX_LENGTHS = (16384, 32768)
+FLEX_PLAN_BOUND = 0.10
+"""What one block's forward keeps against planner/memory.py layer_activation_bytes (the CPU blockwise kernel's
+measure, benchmarks/bench_document_attention.py: 5% under it at 4k and 8k)."""
+FLEX_GROWTH_BOUND = 2.2
+"""The peak of the forward and backward from 16k to 32k positions: linear in s (an s x s mask would be 4x)."""
+
+
+def flex_memory(config_path: str, sets: list[str]) -> tuple[str, str]:
+    """One block of the config's model (bf16, micro-batch 1, no dropout: FlexAttention has none) on a sample of 8
+    equal packed documents at each of FLEX_LENGTHS: the bytes its forward keeps for the backward and the peak of
+    the forward and backward above the start (torch.cuda's allocator), against the planner's figure."""
+    import dataclasses
+
+    import torch
+
+    from model.gpt import TransformerLayer
+    from model.parallel import ParallelContext
+    from model.random import RNGStream
+    from planner.memory import layer_activation_bytes
+    from runconfig.run import load_run_config
+
+    if not torch.cuda.is_available():
+        return "skip", "no CUDA device: FlexAttention's compiled kernel and its backward run on CUDA only"
+    base = load_run_config(config_path, sets).model
+    device, found = torch.device("cuda"), {}
+    for length in FLEX_LENGTHS:
+        model = dataclasses.replace(base, num_layers=1, seq_length=length, attention_backend="flex",
+                                    precision="bf16", attention_dropout=0.0, hidden_dropout=0.0)
+        layer = TransformerLayer(model, ParallelContext(), 1234, 1, RNGStream(0)).to(device, torch.bfloat16).train()
+        segment_ids = (torch.arange(length, device=device) * 8 // length)[None]  # 8 equal documents
+        positions = torch.arange(length, device=device)[None] - torch.searchsorted(segment_ids[0], segment_ids[0])
+        x = torch.randn(1, length, model.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2):  # the first call compiles FlexAttention and makes the lazy states: measure the second
+            layer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            out = layer((x, positions, segment_ids))[0]
+            kept = torch.cuda.memory_allocated() - start
+            out.float().square().mean().backward()
+            del out
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+        planned = layer_activation_bytes(model, 1, 1, sequence_parallel=False, recompute="none")
+        found[length] = (kept, peak, planned)
+        del layer, x
+        torch.cuda.empty_cache()
+    within = all(abs(kept / planned - 1) <= FLEX_PLAN_BOUND for kept, _, planned in found.values())
+    growth = found[FLEX_LENGTHS[-1]][1] / found[FLEX_LENGTHS[0]][1]
+    status = "pass" if within and growth <= FLEX_GROWTH_BOUND else "fail"
+    return status, "; ".join(f"s {length}: kept {kept / 2**20:.0f} MiB (plan {planned / 2**20:.0f}, "
+                             f"x{kept / planned:.3f}), peak {peak / 2**20:.0f} MiB"
+                             for length, (kept, peak, planned) in found.items()) + \
+        f"; peak x{growth:.2f} from {FLEX_LENGTHS[0]} to {FLEX_LENGTHS[-1]} (bf16, 8 documents, b 1)"
 
 
 # -- references on the export ---------------------------------------------------------------------------------------
@@ -363,12 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "skip": ["run", "order", "check", "reason"], "summary": ["run", "expected"],
                             "memory-snapshot": ["run", "order", "snapshot"],
                             "document-masks": ["run", "order", "ds_config"],
+                            "flex-memory": ["run", "order", "ds_config"],
                             "host-syncs": ["run", "order", "ds_config"]}.items():
         command = commands.add_parser(name)
         for argument in arguments:
             command.add_argument(argument)
     commands.choices["flash"].add_argument("--set", action="append", default=[])
     commands.choices["document-masks"].add_argument("--set", action="append", default=[])
+    commands.choices["flex-memory"].add_argument("--set", action="append", default=[])
     commands.choices["host-syncs"].add_argument("--set", action="append", default=[])
     commands.choices["host-syncs"].add_argument("--train-log", type=Path, required=True)
     commands.choices["hflm"].add_argument("--tasks", required=True)
@@ -407,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                                     *memory_snapshot(Path(args.snapshot))),
         "document-masks": lambda: ("document masks: FlexAttention against SDPA",
                                    *document_masks(args.ds_config, args.set)),
+        "flex-memory": lambda: ("document masks at 16k and 32k: FlexAttention's memory against the plan",
+                                *flex_memory(args.ds_config, args.set)),
         "host-syncs": lambda: ("host synchronisations per block and step", *_host_syncs(args)),
         "skip": lambda: (args.check, "skip", args.reason),
     }

@@ -179,10 +179,10 @@ def test_dry_run_stops_and_resumes_the_125m_run_in_one_checkpoint_directory(dry_
     commands = [w for w in dry_run if any(Path(word).name == "gpu_smoke_checks.py" for word in w)]
     names = [words[2] for words in commands]
     assert names == ["flash", "hflm", "compare-eval", "hf-generate", "compare-generate", "resume", "stall",
-                     "memory-snapshot", "document-masks", "host-syncs", "skip", "summary"]
+                     "memory-snapshot", "document-masks", "host-syncs", "flex-memory", "skip", "summary"]
     parsed = [checks.build_parser().parse_args(words[2:]) for words in commands]  # each parses as the script runs it
     orders = sorted(int(args.order) for args in parsed if hasattr(args, "order"))
-    assert orders == list(range(1, 10)) and parsed[-1].expected == "9"  # the summary expects every record
+    assert orders == list(range(1, 11)) and parsed[-1].expected == "10"  # the summary expects every record
     syncs = parsed[names.index("host-syncs")]  # the 125m run's log, where gpu_smoke_train.py prints each step's
     assert syncs.train_log == Path("runs/gpu_smoke/125m.log") and syncs.ds_config == "ds_configs/125m.json"
     snapshot = parsed[names.index("memory-snapshot")].snapshot  # where the 125m run's trainer dumps it
