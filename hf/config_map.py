@@ -40,7 +40,8 @@ ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tan
                       "gelu_fast": "gelu_tanh"}  # the three tanh approximations agree to ~1e-7
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FUNCTION_FIELDS = ("num_experts", "top_k", "moe_ffn_hidden_size", "router", "norm_topk_prob",
-                       "shared_expert_ffn_hidden_size", "sparse_every", "first_dense_layers")
+                       "routed_scaling_factor", "n_group", "topk_group", "shared_expert_ffn_hidden_size",
+                       "shared_expert_gate", "sparse_every", "first_dense_layers")
 """The model.moe fields that make the model's function (and its tensors): what an import must match. The loss
 coefficients, the capacity and the bias update rate are training choices."""
 

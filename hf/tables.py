@@ -209,7 +209,7 @@ def _moe_architectures(config: ModelConfig, default_head_dim: bool) -> list[Arch
     Qwen2-MoE the shared expert, Mixtral neither (and every block sparse, the top k renormalised)."""
     moe = config.moe
     shared = moe.shared_expert_ffn_hidden_size > 0
-    if moe.router != "softmax":
+    if moe.router != "softmax" or moe.routed_scaling_factor != 1.0 or (shared and not moe.shared_expert_gate):
         return []
     if config.qk_layernorm:
         fits = config.bias == "none" and not shared
@@ -324,7 +324,8 @@ def _moe_keys(config: ModelConfig) -> list[str]:
     keys += ["mlp.block.router.expert_bias"] if config.moe.router == "sigmoid_bias" else []
     keys += ["mlp.block.experts.gate_up", "mlp.block.experts.down"]
     if config.moe.shared_expert_ffn_hidden_size:
-        keys += ["mlp.block.shared_expert.gate_up", "mlp.block.shared_expert.down", "mlp.block.shared_expert.gate"]
+        keys += ["mlp.block.shared_expert.gate_up", "mlp.block.shared_expert.down"]
+        keys += ["mlp.block.shared_expert.gate"] if config.moe.shared_expert_gate else []
     return keys
 
 

@@ -1,6 +1,6 @@
 """Mixture-of-Experts block: a deterministic top-k router, a dropless all-to-all dispatch over the expert-parallel
 group with uneven splits, SwiGLU experts stored as [E_local, ...] tensors and TP-sharded like the dense SwiGLUMLP,
-and an optional shared expert with a sigmoid gate (Qwen2-MoE). Its configuration (MoEConfig, ``model.moe``) and the
+and an optional shared expert, with a sigmoid gate (Qwen2-MoE) or without (DeepSeek-V3). Its configuration (MoEConfig, ``model.moe``) and the
 checks of the expert-parallel size are in model/config/moe.py, which imports no torch.
 
 With E experts, k = top_k, F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size, R the tensor-parallel and
@@ -15,7 +15,7 @@ TP rank r and EP rank p, which owns the experts [p E_l, (p + 1) E_l):
     experts.down                [E_l, h, F/R]     experts of p; columns r (partition_dim 2)
     shared_expert.gate_up       [2 F_s/R, h]      rows r of gate and of up, stacked, as SwiGLUMLP's gate_up
     shared_expert.down          [h, F_s/R]        columns r, as SwiGLUMLP's down
-    shared_expert.gate          [1, h]            replicated; gradient a partial sum over TP
+    shared_expert.gate          [1, h]            replicated; gradient a partial sum over TP (shared_expert_gate)
 
 Every expert parameter carries ``expert_parallel = True``; at EP > 1 also DeepSpeed's expert tags (``allreduce``
 False, ``group_name`` "ep_size_P", common/deepspeed_internals.py tag_expert_parameter), so that its optimizers
@@ -38,7 +38,7 @@ n = assignments kept (T k when dropless), m = assignments received from the EP g
     6 regroup by local expert (stable), run each expert          (m, h) -> (m, h), partial over TP
     7 ungroup, reverse all-to-all                                (m, h) -> (n, h)
     8 unsort, weight, sum over the k choices in router order     (T, k, h) -> (T, h), partial over TP
-    9 + sigmoid(tokens w_gate^T) * shared expert                 (T, h), partial over TP
+    9 + sigmoid(tokens w_gate^T) * shared expert (or ungated)    (T, h), partial over TP
     10 leave the TP region: all-reduce, or reduce-scatter         (b, s, h) or (b, s/R, h)
 
 The sequence-split dispatch (MoEBlock.splits_the_sequence: sequence parallelism at R > 1 with EP > 1), as
@@ -242,33 +242,37 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: sigmoid(x w_gate^T) * SwiGLU(x), inside the block's TP region (partial over TP)."""
+    """Qwen2-MoE's shared expert, sigmoid(x w_gate^T) * SwiGLU(x), or DeepSeek-V3's, SwiGLU(x) (``gated`` False),
+    inside the block's TP region (partial over TP)."""
 
     def __init__(self, ffn: int, hidden_size: int, ctx: ParallelContext, *, init_std: float, output_init_std: float,
-                 seed: int, layer_number: int) -> None:
+                 seed: int, layer_number: int, gated: bool = True) -> None:
         super().__init__()
         self.ffn = ffn
         rows = _divide(ffn, ctx.tensor_parallel_size, "model.moe.shared_expert_ffn_hidden_size")
         self.row_start = ctx.tensor_parallel_rank * rows
         self.gate_up = nn.Parameter(torch.empty(2 * rows, hidden_size))
         self.down = nn.Parameter(torch.empty(hidden_size, rows))
-        self.gate = nn.Parameter(torch.empty(1, hidden_size))
         mark_tensor_parallel(self.gate_up, partition_dim=0, partition_stride=2)
         mark_tensor_parallel(self.down, partition_dim=1)
-        mark_partial_over_tensor_parallel(self.gate)
         _init_swiglu_(self.gate_up.data, self.down.data, ffn, self.row_start, init_std=init_std,
                       output_init_std=output_init_std,
                       seed_gate_up=parameter_seed(seed, layer_number, "moe.shared_expert.gate_up"),
                       seed_down=parameter_seed(seed, layer_number, "moe.shared_expert.down"))
-        normal_sharded_(self.gate, init_std, parameter_seed(seed, layer_number, "moe.shared_expert.gate"))
+        self.gate = nn.Parameter(torch.empty(1, hidden_size)) if gated else None
+        if gated:
+            mark_partial_over_tensor_parallel(self.gate)
+            normal_sharded_(self.gate, init_std, parameter_seed(seed, layer_number, "moe.shared_expert.gate"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens (T, h), the same on every TP rank; the gate (T, 1) scales this rank's partial output
-        return torch.sigmoid(F.linear(tokens, self.gate)) * _swiglu(tokens, self.gate_up, self.down)
+        output = _swiglu(tokens, self.gate_up, self.down)
+        return output if self.gate is None else torch.sigmoid(F.linear(tokens, self.gate)) * output
 
     def extra_repr(self) -> str:
         rows = self.down.shape[1]
-        return f"ffn rows [{self.row_start}, {self.row_start + rows}) of {self.ffn}, sigmoid gate"
+        gate = "no gate" if self.gate is None else "sigmoid gate"
+        return f"ffn rows [{self.row_start}, {self.row_start + rows}) of {self.ffn}, {gate}"
 
 
 # --------------------------------------------------------------------------------------------------- the dispatch
@@ -319,6 +323,8 @@ class MoEStats:
     loss_scale: float
     """1 / TP: the auxiliary losses are whole on every TP rank and their gradients pass a TP all-reduce; 1 under the
     sequence-split dispatch, where they reach each token once (module docstring)."""
+    sequence_aux_loss: torch.Tensor
+    """() fp32, unscaled (Routing.sequence_aux_loss); attach sequence_aux_loss_coeff x loss_scale x this."""
 
 
 class MoEBlock(nn.Module):
@@ -346,7 +352,8 @@ class MoEBlock(nn.Module):
         self.shared_expert = None
         if moe.shared_expert_ffn_hidden_size:
             self.shared_expert = SharedExpert(moe.shared_expert_ffn_hidden_size, hidden_size, ctx, init_std=init_std,
-                                              output_init_std=output_init_std, seed=seed, layer_number=layer_number)
+                                              output_init_std=output_init_std, seed=seed, layer_number=layer_number,
+                                              gated=moe.shared_expert_gate)
 
     @property
     def splits_the_sequence(self) -> bool:
@@ -364,7 +371,7 @@ class MoEBlock(nn.Module):
             tokens = copy_to_tensor_parallel_region(x, self.group)  # (b, s, h)
         shape = tokens.shape
         tokens = tokens.reshape(-1, shape[-1])  # (T, h)
-        routing = self.router(tokens)
+        routing = self.router(tokens, sequence_length=shape[1])
         capacity = self.moe.capacity(tokens.shape[0])
         order, counts, dropped = sort_assignments(routing.experts, routing.weights, self.moe.num_experts, capacity,
                                                   routing.tokens_per_expert)
@@ -377,7 +384,8 @@ class MoEBlock(nn.Module):
             out = reduce_scatter_to_sequence_parallel_region(outputs, self.group)  # (b, s/R, h)
         else:
             out = reduce_from_tensor_parallel_region(outputs, self.group)  # (b, s, h)
-        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, self.loss_scale)
+        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, self.loss_scale,
+                             routing.sequence_aux_loss)
 
     def _forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         """The sequence-split dispatch: x (b, s/R, h), this TP rank's positions, routed and sent here; the rows each
@@ -400,7 +408,8 @@ class MoEBlock(nn.Module):
         if capacity is not None:
             dropped = dropped.clone()
             dist.all_reduce(dropped, group=self.group)
-        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, 1.0)
+        return out, MoEStats(routing.aux_loss, routing.z_loss, routing.counts, dropped, 1.0,
+                             routing.sequence_aux_loss)
 
     def _run_experts_split(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (n, h) of this TP rank's tokens, sorted by global expert, counts (E,) -> their experts' outputs (n, h),
@@ -505,11 +514,12 @@ class MoEMLP(nn.Module):
     statistics of the step.
 
     The objective of a micro-batch is its loss plus, for each sparse layer, aux_loss_coeff x aux + router_z_loss_coeff
-    x z. DeepSpeed's backward multiplies the loss by S / micro-batches (S: fp16's dynamic loss scale, 1 in bf16 and
-    fp32) and the optimizer divides every gradient by S, so the attached losses are scaled by ``loss_scale`` /
-    ``micro_batches`` too, and by 1 / TP (MoEStats.loss_scale): without S an fp16 run would balance its experts with
-    1/S of the asked-for weight (Megatron-LM's MoEAuxLossAutoScaler.set_loss_scale). The engine sets both before each
-    forward (training/engine.py): the batch ramp changes the micro-batches, an fp16 overflow the scale."""
+    x z + sequence_aux_loss_coeff x the sequence-wise loss. DeepSpeed's backward multiplies the loss by
+    S / micro-batches (S: fp16's dynamic loss scale, 1 in bf16 and fp32) and the optimizer divides every gradient by
+    S, so the attached losses are scaled by ``loss_scale`` / ``micro_batches`` too, and by 1 / TP
+    (MoEStats.loss_scale): without S an fp16 run would balance its experts with 1/S of the asked-for weight
+    (Megatron-LM's MoEAuxLossAutoScaler.set_loss_scale). The engine sets both before each forward
+    (training/engine.py): the batch ramp changes the micro-batches, an fp16 overflow the scale."""
 
     def __init__(self, block: MoEBlock) -> None:
         super().__init__()
@@ -521,7 +531,8 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, stats = self.block(x)
         moe, scale = self.block.moe, stats.loss_scale * self.loss_scale / self.micro_batches
-        loss = moe.aux_loss_coeff * stats.aux_loss + moe.router_z_loss_coeff * stats.z_loss
+        loss = (moe.aux_loss_coeff * stats.aux_loss + moe.router_z_loss_coeff * stats.z_loss
+                + moe.sequence_aux_loss_coeff * stats.sequence_aux_loss)
         if self.training and torch.is_grad_enabled():
             out = attach_loss(out, loss, scale)
             if not recomputing():

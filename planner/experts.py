@@ -10,7 +10,7 @@ own T / t (model/moe.py).
 Parameters of one TP rank of stage i (model/moe.py's tensors; a rank holds only its own E_l experts)
     each layer but the sparse blocks as model/summary.py counts it; each sparse block
         attention and norms (a dense block's, /t) + router E h + E_l x 3 h F / t + (3 h F_s / t + h: the shared
-        expert and its gate, when F_s > 0)
+        expert and its gate, when F_s > 0; no gate: shared_expert_gate false)
     the router and the shared gate replicated over TP. N^e_i = (sparse blocks of the stage) x E_l x 3 h F / t are
     its expert parameters. Counted from the config (model/summary.py's count_stages builds no sparse block yet);
     tests/test_planner_moe.py checks the count against the model built on the meta device at EP 2.
@@ -88,7 +88,8 @@ def expert_matrix_parameters(model: ModelConfig, tensor_parallel_size: int) -> i
 def sparse_block_parameters(model: ModelConfig, tensor_parallel_size: int, local_experts: int) -> int:
     """One sparse block on one TP rank holding ``local_experts`` experts (module docstring)."""
     moe, h, t = model.moe, model.hidden_size, tensor_parallel_size
-    shared = 3 * h * moe.shared_expert_ffn_hidden_size // t + h if moe.shared_expert_ffn_hidden_size else 0
+    gate = h if moe.shared_expert_gate else 0  # Qwen2-MoE's sigmoid gate; DeepSeek-V3's shared experts have none
+    shared = 3 * h * moe.shared_expert_ffn_hidden_size // t + gate if moe.shared_expert_ffn_hidden_size else 0
     experts = local_experts * expert_matrix_parameters(model, t)
     return attention_and_norm_parameters(model, t) + moe.num_experts * h + experts + shared
 

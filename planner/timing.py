@@ -311,7 +311,7 @@ def partial_gradient_parameters(model: ModelConfig, count: StageCount, sequence_
     if model.qk_layernorm:
         head_norms = transformer_layers(count) * 2 * (2 if model.norm == "layernorm" else 1) * model.head_dim
     if model.moe is not None:
-        gate = model.hidden_size if model.moe.shared_expert_ffn_hidden_size else 0
+        gate = model.hidden_size if model.moe.shared_expert_ffn_hidden_size and model.moe.shared_expert_gate else 0
         head_norms += sum(model.moe.is_sparse(n) for n in count.blocks) * (model.moe.num_experts * model.hidden_size
                                                                            + gate)
     return head_norms + (sequence_parallel_parameters(model, count) if sequence_parallel else 0)

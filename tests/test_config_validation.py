@@ -154,7 +154,7 @@ MOE_CASES = [
     ("parallelism.expert_parallel_size", 0, WORLD, "parallelism.expert_parallel_size must be a positive integer, got 0"),
     ("model.mlp", "gelu", WORLD, "model.moe needs model.mlp \"swiglu\" (the experts are SwiGLU MLPs), got 'gelu': set model.mlp to \"swiglu\", or remove model.moe"),
     ("model.moe.moe_ffn_hidden_size", 63, WORLD, "model.moe.moe_ffn_hidden_size (63) is not divisible by parallelism.tensor_parallel_size (2): each TP rank holds a slice of every expert"),
-    ("model.moe.experts", 8, WORLD, "unknown key(s) ['experts'] in block \"model.moe\": known keys are ['aux_loss_coeff', 'bias_update_rate', 'capacity_factor', 'first_dense_layers', 'moe_ffn_hidden_size', 'norm_topk_prob', 'num_experts', 'router', 'router_z_loss_coeff', 'shared_expert_ffn_hidden_size', 'sparse_every', 'top_k']"),
+    ("model.moe.experts", 8, WORLD, "unknown key(s) ['experts'] in block \"model.moe\": known keys are ['aux_loss_coeff', 'bias_update_rate', 'capacity_factor', 'first_dense_layers', 'moe_ffn_hidden_size', 'n_group', 'norm_topk_prob', 'num_experts', 'routed_scaling_factor', 'router', 'router_z_loss_coeff', 'sequence_aux_loss_coeff', 'shared_expert_ffn_hidden_size', 'shared_expert_gate', 'sparse_every', 'top_k', 'topk_group']"),
     ("model.moe.top_k", "2", WORLD, "model.moe.top_k = \"2\" is a string: expected an integer (e.g. 100)"),
     ("model.moe", {"num_experts": 8}, WORLD, "model.moe lacks ['top_k', 'moe_ffn_hidden_size']: give num_experts, top_k and moe_ffn_hidden_size"),
     ("model.moe", [8, 2], WORLD, "model.moe = [8, 2] is a list: expected an object {...} or null"),

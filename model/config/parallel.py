@@ -110,7 +110,7 @@ def check_layout(model: Any, tensor_parallel_size: int, pipeline_parallel_size: 
     require(model.ffn_hidden_size % tp == 0,
             f"model.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
             f"parallelism.tensor_parallel_size ({tp})")
-    _check_experts(model, tp, expert_parallel_size)
+    _check_experts(model, tp, expert_parallel_size, sequence_parallel, context_parallel_size)
     divisors = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
     require(model.num_layers % pp == 0,
             f"model.num_layers ({model.num_layers}) cannot be split evenly over "
@@ -158,8 +158,10 @@ def _check_context_parallel(model: Any, tp: int, cp: int, sequence_parallel: boo
             + f" = {positions}: each rank holds seq_length / {positions} positions; use a multiple of {positions}")
 
 
-def _check_experts(model: Any, tensor_parallel_size: int, expert_parallel_size: int) -> None:
-    """The experts TP-sharded like the dense MLP, and split EP ways."""
+def _check_experts(model: Any, tensor_parallel_size: int, expert_parallel_size: int, sequence_parallel: bool = False,
+                   context_parallel_size: int = 1) -> None:
+    """The experts TP-sharded like the dense MLP, and split EP ways; the sequence-wise balance loss where each
+    router sees whole sequences (model/router.py sequence_balance_loss)."""
     check_expert_parallel(model.moe, expert_parallel_size)
     if model.moe is None:
         return
@@ -168,3 +170,17 @@ def _check_experts(model: Any, tensor_parallel_size: int, expert_parallel_size: 
         require(width % tensor_parallel_size == 0,
                 f"model.moe.{name} ({width}) is not divisible by parallelism.tensor_parallel_size "
                 f"({tensor_parallel_size}): each TP rank holds a slice of every expert")
+    if model.moe.sequence_aux_loss_coeff > 0:
+        require(context_parallel_size == 1,
+                f"model.moe.sequence_aux_loss_coeff ({model.moe.sequence_aux_loss_coeff}) with "
+                f"parallelism.context_parallel_size {context_parallel_size}: each CP rank routes seq_length / CP "
+                f"positions, and the sequence-wise loss needs every position of a sequence (its counts and mean "
+                f"scores are not summed over CP); set context_parallel_size to 1, or the loss to 0")
+        split = sequence_parallel and tensor_parallel_size > 1 and expert_parallel_size > 1
+        require(not split,
+                f"model.moe.sequence_aux_loss_coeff ({model.moe.sequence_aux_loss_coeff}) with "
+                f"parallelism.sequence_parallel at tensor_parallel_size {tensor_parallel_size} and "
+                f"expert_parallel_size {expert_parallel_size}: that is the sequence-split dispatch, where each TP "
+                f"rank routes seq_length / TP positions, and the sequence-wise loss needs every position of a "
+                f"sequence (its per-sequence counts are not summed over TP); turn sequence_parallel off, or the "
+                f"loss to 0")
