@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -130,22 +131,23 @@ def checkpoint(stream: RNGStream, function: Callable[..., Any], *args: Any) -> A
         calls += 1
         if calls == 1:  # the forward itself
             return function(*inputs)
-        global _recomputes
-        _recomputes += 1
+        token = _RECOMPUTES.set(_RECOMPUTES.get() + 1)
         try:
             with stream.replaying(at_forward):  # a recompute, in the backward pass
                 return function(*inputs)
         finally:
-            _recomputes -= 1
+            _RECOMPUTES.reset(token)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
-_recomputes = 0
-"""How many recomputes of ``checkpoint`` are running in this process (nested: a selective one inside a full one)."""
+_RECOMPUTES: ContextVar[int] = ContextVar("recomputes", default=0)
+"""How many recomputes of ``checkpoint`` the running code is inside (nested: a selective one inside a full one): a
+dynamic scope, like torch's grad mode, whose value belongs to the thread running the recompute (the autograd
+engine's, for CUDA tensors), not a count shared by the process."""
 
 
 def recomputing() -> bool:
     """True inside a recompute of ``checkpoint``: the forward runs again in the backward pass. What a forward counts
     (the MoE layers' statistics of the step) is counted once, outside it."""
-    return _recomputes > 0
+    return _RECOMPUTES.get() > 0

@@ -166,6 +166,25 @@ def test_no_module_outgrows_600_lines():
     assert sizes[largest] < MAX_MODULE_LINES, f"{largest} has {sizes[largest]} lines: split it by concern"
 
 
+def rebound_globals(paths: list[Path]) -> list[str]:
+    """Every ``global`` statement of ``paths``: a function rebinding module state, which every model of the process
+    would then share."""
+    return [f"{path.name}:{node.lineno} global {', '.join(node.names)}" for path in paths
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+
+
+def test_the_model_keeps_no_module_level_state():
+    """model/ rebinds no module global: a micro-batch's state (the block mask, RoPE's table) is the model's, and a
+    dynamic scope (a recompute running) a context variable."""
+    assert rebound_globals(package_files("model")) == []
+
+
+def test_the_module_state_rule_sees_a_global(tmp_path):
+    planted = tmp_path / "attention.py"
+    planted.write_text("_last = None\n\ndef remember(x):\n    global _last\n    _last = x\n")
+    assert rebound_globals([planted]) == ["attention.py:4 global _last"]
+
+
 # -------------------------------------------------------------------------------------------------- the docs' links
 
 
