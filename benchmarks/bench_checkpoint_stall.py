@@ -1,29 +1,35 @@
 #!/usr/bin/env python
 """How long a checkpoint stops training, "sync" against "async" (training/checkpoint_engine.py), and what the
-background writer costs the training loop meanwhile.
+writer process costs the training loop meanwhile.
 
     python benchmarks/bench_checkpoint_stall.py [--hidden 512] [--layers 4] [--saves 4] [--ranks 1]
-                                                [--loop-mb 400] [--rounds 3] [--directory DIR] [--only stall|loop]
+                                                [--loop-mb 400] [--rounds 3] [--directory DIR] [--only stall|loop|gil]
 
     part    what runs                                     what is printed
     stall   --ranks (PP, fp32, ZeRO-1) train a GPT        per mode, the first save and the later ones apart (the
             (--hidden, --layers; GPT-2's vocabulary),      median of saves 2..--saves): training stopped (the seconds
-            --saves checkpoints, each followed by steps    save() holds the training thread), the steps slowed (what
-            until `latest` names it, then 2 more           the steps after it, to `latest` and 2 more, took over the
-                                                          median step), the seconds until `latest` names it, the host
-                                                          buffers allocated and their bytes; the ratio async / sync
-                                                          of training stopped (goal <= 0.1) and of stopped + slowed
+            --saves checkpoints (the host buffers           save() holds the training thread), the steps slowed (what
+            allocated before, by the trainer's             the steps after it, to `latest` and 2 more, took over the
+            rehearsals), each followed by steps until      median step), the seconds until `latest` names it, the host
+            `latest` names it, then 2 more                 buffers allocated and their bytes; the ratio async / sync
+                                                          of training stopped (goal <= 0.1) and of stopped + slowed,
+                                                          first and later saves; the writer process's CPU seconds
+                                                          per save
     loop    one process, torch threads 1, two loops:       the step time with nothing beside the loop, then beside:
-            an MLP in cache (compute-bound) and an         the engine's writer thread (the GIL shared), a forked
-            output layer over GPT-2's vocabulary           process writing the same snapshot (no GIL; the loop's
-            (memory-bound); their state and --loop-mb      pages copy-on-write), a spawned process spinning (CPU
-            of other tensors saved                         only) and one copying as many bytes (memory only);
-                                                          --rounds interleaved rounds; then the share of its time
-                                                          a pure-Python thread loses while the writer thread writes
-                                                          --loop-mb (the GIL the writer holds)
+            an MLP in cache (compute-bound) and an         the engine's writer process (spawned, reading the shared
+            output layer over GPT-2's vocabulary           buffers), a forked process writing the same snapshot
+            (memory-bound); their state and --loop-mb
+            of other tensors saved
+                                                          (the loop's pages copy-on-write), a spawned process
+                                                          spinning (CPU only) and one copying as many bytes (memory
+                                                          only); --rounds interleaved rounds; then the share of its
+                                                          time a pure-Python thread loses while the engine writes
+                                                          --loop-mb: with its writer process, and with the writer
+                                                          in a thread of the training process (the design before
+                                                          it, sharing the GIL)
 
-The four neighbours separate what a writer costs the loop: the GIL (thread against process), the CPU (spinning) and
-the memory bus (copying). Checkpoints go to --directory (default: a temporary folder under /tmp).
+The four neighbours separate what a writer costs the loop: the writer's process against a forked one, the CPU
+(spinning) and the memory bus (copying). Checkpoints go to --directory (default: a temporary folder under /tmp).
 """
 
 from __future__ import annotations
@@ -70,11 +76,15 @@ def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: i
         save_dir = Path(directory) / mode
         checkpointer = Checkpointer(engine, save_dir, mode)
         buffers = checkpointer.files.buffers
-        plain = [step() for _ in range(5)]
+        checkpointer.rehearse({"train_state": {}})  # as the trainer does: before its first step and after it
+        plain = [step()]
+        checkpointer.rehearse({"train_state": {}})
+        plain += [step() for _ in range(4)]
         per_save = []
         for number in range(saves):
             tag = f"global_step{1000 * (mode == 'async') + number + 1}"
             allocations, allocated = buffers.allocations, buffers.allocated_bytes
+            writer_cpu = checkpointer.files.writer.cpu_seconds()
             dist.barrier()
             start = time.perf_counter()
             checkpointer.save(int(tag.removeprefix("global_step")), {"train_state": {}})
@@ -89,7 +99,8 @@ def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: i
             per_save.append({"blocked": blocked, "latest": moved,
                              "stall": sum(timed) - (len(timed) - 1) * statistics.median(plain),
                              "allocations": buffers.allocations - allocations,
-                             "allocated": buffers.allocated_bytes - allocated})
+                             "allocated": buffers.allocated_bytes - allocated,
+                             "writer_cpu": checkpointer.files.writer.cpu_seconds() - writer_cpu})
         checkpointer.close()
         files = [p for p in (save_dir / tag).iterdir() if p.is_file()]
         results[mode] = {"saves": per_save, "median_step": statistics.median(plain),
@@ -104,26 +115,30 @@ def report_stall(results: dict, saves: int) -> None:
           f"step {results['sync']['median_step']:.2f} s; rank 0; later saves: the median of saves 2..{saves}")
     print(f"{'mode':<6} {'saves':<7} {'training stopped, s':>20} {'steps slowed, s':>16} {'until latest, s':>16} "
           f"{'buffers allocated':>18} {'MB allocated':>13}")
-    later = {}
+    rows: dict[str, dict[str, dict]] = {}
     for mode in ("sync", "async"):
         first, rest = results[mode]["saves"][0], results[mode]["saves"][1:]
-        rows = [("first", first)]
+        rows[mode] = {"first": first}
         if rest:
-            rows.append(("later", {key: statistics.median(save[key] for save in rest) for key in first}))
-        for name, row in rows:
+            rows[mode]["later"] = {key: statistics.median(save[key] for save in rest) for key in first}
+        for name, row in rows[mode].items():
             print(f"{mode:<6} {name:<7} {row['blocked']:>20.2f} {row['stall'] - row['blocked']:>16.2f} "
                   f"{row['latest']:>16.2f} {row['allocations']:>18.0f} {row['allocated'] / 1e6:>13.1f}")
-        later[mode] = rows[-1][1]
-    stopped = later["async"]["blocked"] / later["sync"]["blocked"]
-    total = later["async"]["stall"] / later["sync"]["stall"] if later["sync"]["stall"] > 0 else float("nan")
-    print(f"training stopped, async / sync (later saves): {stopped:.3f} (goal <= 0.1); with the steps slowed while "
-          f"the files are written and committed: {total:.3f}")
+    for name in rows["async"]:
+        sync, run = rows["sync"][name], rows["async"][name]
+        stopped = run["blocked"] / sync["blocked"]
+        total = run["stall"] / sync["stall"] if sync["stall"] > 0 else float("nan")
+        print(f"training stopped, async / sync ({name} saves): {stopped:.3f} (goal <= 0.1); with the steps slowed "
+              f"while the files are written and committed: {total:.3f} (goal <= 0.1)")
+    cpu = {mode: {name: row["writer_cpu"] for name, row in rows[mode].items()} for mode in rows}
+    print("the writer process's CPU seconds per save (user + system): " + "; ".join(
+        f"{mode} {name} {seconds:.2f} s" for mode in cpu for name, seconds in cpu[mode].items()))
 
 
 # -- part 2: the loop while the writer writes, one process ----------------------------------------------------------
 LOOPS = {"mlp": "an MLP (8 x 256 x 256, batch 32, Adam): in cache, compute-bound",
          "head": "an output layer (64 tokens x 512 -> 50,304 logits, log-softmax, backward): memory-bound"}
-WRITERS = {"none": "none", "thread": "thread (training process)", "process": "process (forked)",
+WRITERS = {"none": "none", "engine": "the engine's writer process", "process": "process (forked)",
            "spin": "CPU only (spawned, spinning)", "copy": "memory only (spawned, copying)"}
 
 
@@ -191,7 +206,7 @@ def _beside(target: Callable, args: tuple, step: Callable[[], float]) -> tuple[l
 def measure_loop(directory: str, loop_mb: int, rounds: int, kind: str) -> dict:
     """The ``kind`` loop's steps with no writer, then beside each of WRITERS, --rounds interleaved rounds. The forked
     writer shares the loop's pages copy-on-write: each page the loop writes while it lives is copied. The spinning
-    process runs as long as the thread's write took; the copying one reads as many bytes as the snapshot 3 times
+    process runs as long as the engine's write took; the copying one reads as many bytes as the snapshot 3 times
     (torch's CRC-32, the engine's, the kernel's copy into the page cache) and writes them once."""
     import torch
 
@@ -211,10 +226,10 @@ def measure_loop(directory: str, loop_mb: int, rounds: int, kind: str) -> dict:
         folder = Path(directory) / f"{kind}{number}"
         folder.mkdir()
         start = time.perf_counter()
-        engine.save(state, str(folder / "thread.pt"))
+        engine.save(state, str(folder / "engine.pt"))
         engine.start()
-        during = {"thread": [step() for _ in iter(lambda: engine.finished, True)]}
-        elapsed = {"thread": time.perf_counter() - start}
+        during = {"engine": [step() for _ in iter(lambda: engine.finished, True)]}
+        elapsed = {"engine": time.perf_counter() - start}
         engine.wait()
         engine.forget()
         snapshot = host_snapshot(state, process_buffers, ("process.pt",))
@@ -226,7 +241,7 @@ def measure_loop(directory: str, loop_mb: int, rounds: int, kind: str) -> dict:
         elapsed["process"] = time.perf_counter() - start
         writer.join()
         nbytes = sum(buffer.nbytes() for buffer, _ in process_buffers.storages.values())
-        during["spin"], elapsed["spin"] = _beside(_spin, (elapsed["thread"],), step)
+        during["spin"], elapsed["spin"] = _beside(_spin, (elapsed["engine"],), step)
         during["copy"], elapsed["copy"] = _beside(_copy, (nbytes, 3), step)
         if number > 0:
             times["none"] += plain
@@ -235,7 +250,7 @@ def measure_loop(directory: str, loop_mb: int, rounds: int, kind: str) -> dict:
                 writes[writer].append(elapsed[writer])
     engine.cleanup()
     return {"kind": kind, "times": times, "writes": writes,
-            "bytes": (Path(directory) / f"{kind}0" / "thread.pt").stat().st_size}
+            "bytes": (Path(directory) / f"{kind}0" / "engine.pt").stat().st_size}
 
 
 def report_loop(results: dict, rounds: int) -> None:
@@ -252,44 +267,78 @@ def report_loop(results: dict, rounds: int) -> None:
         longest = max(times[kind], default=float("nan"))
         print(f"{name:<30} {write:>8} {len(times[kind]):>6} {median * 1e3:>16.2f} {mean * 1e3:>14.2f} "
               f"{longest * 1e3:>12.1f} {mean / plain_mean - 1:>+13.1%}")
-    gil = (statistics.mean(times["thread"]) - statistics.mean(times["process"])) / plain_mean
-    print(f"what the GIL costs the loop (thread - process, mean step over none): {gil:+.1%}")
+    gil = (statistics.mean(times["engine"]) - statistics.mean(times["process"])) / plain_mean
+    print(f"the engine's writer against a forked one (mean step over none): {gil:+.1%}")
 
 
-def measure_gil(directory: str, loop_mb: int) -> dict:
+def measure_gil(directory: str, loop_mb: int, rounds: int = 3) -> dict:
     """A pure-Python thread (it needs the GIL all the time) counts its loop's turns per second with nothing else
-    running, and while the engine's writer thread writes --loop-mb: the turns lost are the share of time the writer
-    held the GIL (on a loaded machine, plus the CPU taken by others: hence the idle figure)."""
+    running, and while the engine writes --loop-mb: with its writer process ("process"), and with the files written
+    by its hand-over thread itself, in the training process ("thread": the design before the writer process). The
+    turns lost are the share of time the writer held the GIL, plus, on a loaded machine, the CPU taken by others:
+    hence the idle figure, measured before each write, and the thread's wall time split by the kernel's schedstat
+    into on a CPU, waiting for one (the machine's other jobs, the writer's own CPU) and blocked (the GIL). Also the
+    writer process's CPU seconds per write."""
+    import threading
+
     import torch
 
-    from training.checkpoint_engine import SnapshotCheckpointEngine
+    from training.checkpoint_engine import SnapshotCheckpointEngine, write_file
 
     state = {f"tensor_{i}": torch.randn(loop_mb * 2**20 // 16) for i in range(4)}
-    engine = SnapshotCheckpointEngine("async")
+    engines = {"process": SnapshotCheckpointEngine("async"), "thread": SnapshotCheckpointEngine("async")}
+    engines["thread"].write_file = write_file  # torch.save in the training process, as before
 
-    def turns_per_second(busy: Callable[[], bool]) -> float:
-        start, turns = time.perf_counter(), 0
+    def schedstat() -> tuple[float, float]:
+        """This thread's seconds on a CPU and waiting in a run queue so far."""
+        on_cpu, waiting, _ = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+    def turns_per_second(busy: Callable[[], bool]) -> tuple[float, float, float]:
+        """Turns per second, and the shares of the wall time waiting for a CPU and blocked."""
+        start, turns, (on_cpu, waiting) = time.perf_counter(), 0, schedstat()
         while busy():
             turns += 1
-        return turns / (time.perf_counter() - start)
+        wall, (on_cpu_end, waiting_end) = time.perf_counter() - start, schedstat()
+        queued = (waiting_end - waiting) / wall
+        return turns / wall, queued, max(0.0, 1 - (on_cpu_end - on_cpu) / wall - queued)
 
-    until = time.perf_counter() + 2.0
-    results = {"none": turns_per_second(lambda: time.perf_counter() < until)}
-    for number in range(2):  # the first save allocates the buffers: only the second is counted
-        (Path(directory) / f"gil{number}").mkdir()
-        engine.save(state, str(Path(directory) / f"gil{number}" / "state.pt"))
-        engine.start()
-        results["writer"] = turns_per_second(lambda: not engine.finished)
-        engine.wait()
-        engine.forget()
-    engine.cleanup()
-    return results
+    def alone() -> tuple[float, float, float]:
+        until = time.perf_counter() + 2.0
+        return turns_per_second(lambda: time.perf_counter() < until)
+
+    results: dict[str, list] = {"none": [], "process": [], "thread": [], "writer_cpu": []}
+    for number in range(rounds + 1):  # round 0 allocates the buffers and warms the page cache: not counted
+        for name, engine in engines.items():
+            folder = Path(directory) / f"gil{number}{name}"
+            folder.mkdir()
+            none, cpu = alone(), engines["process"].writer.cpu_seconds()
+            engine.save(state, str(folder / "state.pt"))
+            engine.start()
+            during = turns_per_second(lambda engine=engine: not engine.finished)
+            engine.wait()
+            engine.forget()
+            if number > 0:
+                results["none"].append(none)
+                results[name].append(during)
+                if name == "process":
+                    results["writer_cpu"].append(engines["process"].writer.cpu_seconds() - cpu)
+    for engine in engines.values():
+        engine.cleanup()
+    return {"writer_cpu": statistics.mean(results.pop("writer_cpu")),
+            **{key: [statistics.mean(column) for column in zip(*rows, strict=True)] for key, rows in results.items()}}
 
 
 def report_gil(results: dict, loop_mb: int) -> None:
-    lost = 1 - results["writer"] / results["none"]
-    print(f"GIL: a pure-Python thread's turns per second, alone {results['none'] / 1e6:.2f} M, while the writer thread "
-          f"writes {4 * (loop_mb // 4)} MB {results['writer'] / 1e6:.2f} M: {lost:.0%} of its time lost to the writer")
+    lost = {name: 1 - results[name][0] / results["none"][0] for name in ("process", "thread")}
+    print(f"GIL: a pure-Python thread's turns per second, alone {results['none'][0] / 1e6:.2f} M, while the writer process "
+          f"writes {4 * (loop_mb // 4)} MB {results['process'][0] / 1e6:.2f} M: {lost['process']:.0%} of its time lost to "
+          f"the writer (goal <= 5%; it used {results['writer_cpu']:.2f} s of CPU a write); with the writer a thread of "
+          f"the training process {results['thread'][0] / 1e6:.2f} M: {lost['thread']:.0%}")
+    print("      of the pure-Python thread's wall time: " + "; ".join(
+        f"{name} waiting for a CPU {results[key][1]:.0%}, blocked (the GIL) {results[key][2]:.0%}"
+        for key, name in (("none", "alone"), ("process", "beside the writer process"),
+                          ("thread", "beside a writer thread"))))
 
 
 def main() -> None:
@@ -299,7 +348,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--loop-mb", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", choices=("stall", "loop"))
+    parser.add_argument("--only", choices=("stall", "loop", "gil"), help="one part (loop: its GIL measure too)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="training processes (PP): 1 leaves the writer a core of its own on 2 cores, as a GPU node "
                              "leaves each rank spare cores; 2 on 2 cores gives it none, and the async stall is then "
@@ -309,14 +358,15 @@ def main() -> None:
     from tests.distributed import run_distributed
 
     with tempfile.TemporaryDirectory(dir=args.directory) as directory:
-        if args.only != "loop":
+        if args.only in (None, "stall"):
             results = run_distributed(args.ranks, measure_stall, directory, args.hidden, args.layers, args.saves,
                                       args.ranks, timeout_s=3600)[0]
             report_stall(results, args.saves)
-        if args.only != "stall":
+        if args.only in (None, "loop"):
             for kind in LOOPS:
                 report_loop(measure_loop(directory, args.loop_mb, args.rounds, kind), args.rounds)
-            report_gil(measure_gil(directory, args.loop_mb), args.loop_mb)
+        if args.only != "stall":
+            report_gil(measure_gil(directory, args.loop_mb, args.rounds), args.loop_mb)
 
 
 if __name__ == "__main__":

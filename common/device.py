@@ -23,8 +23,8 @@ Host by design, today: seeded initialisation draws (model/init.py: the same valu
 device), sampling draws (evaluation/generation.py: a seed gives the same tokens on every device), the checkpoint
 commit's agreement (training/checkpoint.py: a gloo group of its own), fault-injection draws (training/faults.py).
 The data loader's batches (data/loader.py, moved by its DevicePrefetcher) and checkpoint snapshots
-(training/checkpoint_engine.py) are host-side too; data/ is outside the rule, and the snapshots copy tensors with
-``*_like``/``new_*`` forms or carry the marker.
+(training/checkpoint_engine.py, and their views in the writer process, training/checkpoint_writer.py) are host-side
+too; data/ is outside the rule, and the snapshots copy tensors with ``*_like``/``new_*`` forms or carry the marker.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ embedding is written once.
     the stall, "sync"     the whole write: training waits for it
     the stall, "async"    what the save does on the training thread: the copy of the busiest rank's bytes into its
                           pinned host buffers at the device-to-host bandwidth, and one device synchronisation (no
-                          term). No allocation: the buffers are allocated once, at the run's first save, and reused
+                          term). No allocation: the buffers are allocated once, before the first step, and reused
                           (training/checkpoint_engine.py); that one-off allocation is not in the figure. The write
                           overlaps the next steps, and must end before the next save (else that save waits)
     the share lost        stall / (save_interval x full-batch iteration seconds + stall)
@@ -62,13 +62,13 @@ class CheckpointCost:
     write_seconds: float
     """The whole save, written: the stall of "sync", the background time of "async"."""
     async_stall_seconds: float
-    """The copy into the host buffers (allocated at the first save, reused after), what "async" stops training for."""
+    """The copy into the host buffers (allocated before the first step, reused), what "async" stops training for."""
     save_interval: int
     """training.save_interval (0: no periodic checkpoint; the shares below are then 0)."""
     lost_share_sync: float
     lost_share_async: float
     async_host_bytes_per_rank: int
-    """Host memory one rank holds for the snapshot: its buffers, from the first save to the end of the run."""
+    """Host memory one rank holds for the snapshot: its buffers, from start-up to the end of the run."""
     async_overlaps_next_save: bool
     """The write outlasts save_interval iterations: the next save waits for it."""
 

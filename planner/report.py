@@ -366,7 +366,7 @@ def format_checkpoint(cost: CheckpointCost) -> str:
                  f"{cost.write_seconds:.1f} s. Saved {every}: sync stops training {cost.write_seconds:.1f} s a save "
                  f"({cost.lost_share_sync:.2%} of the run), async {cost.async_stall_seconds:.2f} s "
                  f"({cost.lost_share_async:.3%}), holding {cost.async_host_bytes_per_rank / 1e9:.3g} GB of host memory "
-                 f"per rank (its snapshot buffers, allocated at the first save and reused)", "  ")
+                 f"per rank (its snapshot buffers, allocated before the first step and reused)", "  ")
 
 
 def format_training(plan: Plan) -> str:

@@ -5,6 +5,9 @@
 - The host buffers: the first save allocates one per storage of the state (exactly its bytes), the second allocates
   nothing and copies into the same storages (their data_ptr), a state that changed shape reallocates only what
   changed, and every save's files are byte-identical to files written from a fresh snapshot.
+- The rehearsal before the first step allocates the buffers and writes nothing; the first save then allocates
+  nothing. The files are written by the writer process (not the training process), an error there (a missing
+  directory) comes back naming the file, and the writer ends at cleanup and when the training process is killed.
 - A writer that fails names the file and leaves no temporary file (the fault of training/faults.py), and a slowed
   writer is still busy after the save.
 - On 4 processes at TP 2 x PP 2, in fp32 (ZeRO-1) and in bf16 (BF16_Optimizer): after 2 steps, one checkpoint written
@@ -20,8 +23,14 @@ and a spike rollback while a save is in flight are tests/test_faults.py's (async
 
 from __future__ import annotations
 
+import collections
 import errno
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -139,9 +148,11 @@ def test_the_buffers_are_not_overwritten_while_the_writer_reads_them(tmp_path):
 
 def _save_sync_and_async(directory: str, precision: str) -> dict:
     """TP 2 x PP 2: 2 steps, a sync and a slow async checkpoint of that state, 2 more steps during the async write,
-    its commit, and a third checkpoint of the later state."""
+    its commit, and a third checkpoint of the later state, by a checkpointer rehearsed before and after the first
+    step as the trainer does (its buffers allocated then: after the first step, and at its save, how many)."""
     import torch.distributed as dist
 
+    from common.deepspeed_internals import replace_checkpoint_engine
     from runconfig.run import parse_run_config
     from training.checkpoint import Checkpointer
     from training.engine import build_engine
@@ -157,9 +168,15 @@ def _save_sync_and_async(directory: str, precision: str) -> dict:
     def step(number: int) -> None:
         engine.train_batch(data_iter=micro_batches(number, 16, ctx.data_parallel_rank, ctx.data_parallel_size))
 
+    client = {"run_config": config.to_dict(), "train_state": {"step": 2}}
+    later = Checkpointer(engine, Path(directory) / "later", "sync")
+    later.rehearse(client)  # as the trainer does: before the first step,
+    allocated = [later.files.buffers.allocations]
     for number in range(2):
         step(number)
-    client = {"run_config": config.to_dict(), "train_state": {"step": 2}}
+        if number == 0:  # and after it (fp32: ZeRO-1's torch Adam makes its moments at its first step)
+            later.rehearse(client)
+            allocated.append(later.files.buffers.allocations - allocated[0])
     Checkpointer(engine, Path(directory) / "sync", "sync").save(2, client)
     slow = Checkpointer(engine, Path(directory) / "async", "async")
     gate = threading.Event()
@@ -171,10 +188,85 @@ def _save_sync_and_async(directory: str, precision: str) -> dict:
     busy_after_steps = slow.files.in_flight
     gate.set()
     committed = slow.wait()
-    Checkpointer(engine, Path(directory) / "later", "sync").save(2, client)
+    replace_checkpoint_engine(engine, later.files)  # DeepSpeed writes through the engine of the last one made
+    before = later.files.buffers.allocations
+    later.save(2, client)
+    allocated.append(later.files.buffers.allocations - before)
     dist.barrier()
     return {"busy": (busy_after_save, busy_after_steps), "committed": committed,
-            "blocked_s": slow.files.blocked_s}
+            "blocked_s": slow.files.blocked_s, "allocated": allocated}
+
+
+def test_the_rehearsal_allocates_the_buffers_and_writes_nothing(tmp_path):
+    engine = SnapshotCheckpointEngine("async")
+    weights = torch.arange(10, dtype=torch.float32)
+    with engine.rehearsal():
+        engine.makedirs(str(tmp_path / "rehearsal"), exist_ok=True)  # as DeepSpeed's save_checkpoint does
+        engine.save(_state(weights), str(tmp_path / "rehearsal" / "model_states.pt"))
+    assert list(tmp_path.iterdir()) == [] and engine.pending is None
+    assert (engine.buffers.allocations, engine.buffers.allocated_bytes) == (3, 88)
+    pointers = _buffer_pointers(engine)
+    weights += 1
+    first = _save(engine, tmp_path, "global_step1", _state(weights))
+    assert (engine.buffers.allocations, _buffer_pointers(engine)) == (3, pointers)  # the first save: nothing new
+    write_file(host_snapshot(_state(weights)), tmp_path / "fresh.pt")
+    assert first == (tmp_path / "fresh.pt").read_bytes()
+    engine.cleanup()
+
+
+Held = collections.namedtuple("Held", "tensor")  # an object the snapshot deep-copies; the writer imports it by name
+
+
+def test_the_writer_process_writes_the_bytes_of_the_training_process(tmp_path):
+    """Parameters, empty tensors, views of one storage, a tensor inside another object (copied, not in
+    the buffers) and a bf16 tensor: the writer's file equals torch.save of the snapshot in this process."""
+    base = torch.arange(8, dtype=torch.float32)
+    state = {"parameter": torch.nn.Parameter(torch.ones(2, 3)), "empty": torch.empty(0), "also_empty": torch.zeros(0, 4),
+             "base": base, "view": base[2:6].view(2, 2), "bf16": torch.randn(5).to(torch.bfloat16),
+             "object": Held(torch.ones(2)), "step": torch.tensor(7)}
+    engine = SnapshotCheckpointEngine("async")
+    written = _save(engine, tmp_path, "global_step1", state)
+    engine.cleanup()
+    write_file(host_snapshot(state), tmp_path / "fresh.pt")
+    assert written == (tmp_path / "fresh.pt").read_bytes()
+
+
+def test_the_writer_is_a_process_that_reports_its_errors_and_ends(tmp_path):
+    engine = SnapshotCheckpointEngine("sync")
+    assert engine.writer.process.pid != os.getpid()
+    engine.save({"x": torch.ones(3)}, str(tmp_path / "missing" / "a.pt"))  # no directory: the writer's open fails
+    engine.start()
+    written, error = engine.wait()
+    assert written == [] and error.error.errno == errno.ENOENT
+    assert str(error) == f"{tmp_path / 'missing' / 'a.pt'}: No such file or directory"
+    engine.forget()
+    _save(engine, tmp_path, "global_step1", {"x": torch.ones(3)})
+    assert engine.writer.cpu_seconds() > 0  # the writer's own CPU time, reported with each file
+    engine.cleanup()
+    assert engine.writer.process.exitcode == 0
+
+
+def test_the_writer_ends_when_the_training_process_is_killed(tmp_path):
+    script = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1])\n"
+              "from training.checkpoint_engine import SnapshotCheckpointEngine\n"
+              "engine = SnapshotCheckpointEngine('async'); engine.writer.share({})\n"
+              "print(engine.writer.process.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1])],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    writer = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _alive(writer) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(writer)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended: only its exit status waits for its (new) parent
 
 
 @pytest.mark.distributed
@@ -184,6 +276,10 @@ def test_async_writes_the_bytes_of_sync_and_no_later_state(precision, tmp_path):
 
     ranks = run_distributed(4, _save_sync_and_async, str(tmp_path), precision)
     assert all(rank["busy"] == (True, True) for rank in ranks)  # the writer was still at it two steps later
+    # the rehearsals before and after the first step allocated every buffer (each rank writes files; after the first
+    # step, fp32's Adam moments), the first save none
+    assert all(rank["allocated"][0] > 0 and rank["allocated"][2] == 0 for rank in ranks), ranks
+    assert all(rank["allocated"][1] > 0 for rank in ranks) if precision == "fp32" else True
     assert ranks[0]["committed"] == ("global_step2", [])
     folders = {name: tmp_path / name / "global_step2" for name in ("sync", "async", "later")}
     names = sorted(path.name for path in folders["sync"].iterdir())

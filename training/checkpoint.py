@@ -3,8 +3,9 @@
 A checkpoint is DeepSpeed's directory ``<save>/global_step<N>/`` (layer files per TP rank, model states, ZeRO-1
 optimizer shards) plus ``rank_state_<R>.pt`` per global rank (both dropout RNG streams, spike-guard EWM), and the
 training state (step, consumed samples and tokens, batch size) in DeepSpeed's client_state. Every one of these files
-goes through the snapshot engine (training/checkpoint_engine.py): copied to host memory at the save, written by a
-background thread (temporary name, fsync, size and CRC-32 counted, rename). Then the commit, from the training loop:
+goes through the snapshot engine (training/checkpoint_engine.py): copied at the save into host buffers allocated
+around the first step (``Checkpointer.rehearse``), written by a writer process (temporary name, fsync, size and
+CRC-32 counted, rename). Then the commit, from the training loop:
 
     when                                   what                                                   who
     after every step (Checkpointer.poll)   one small all-reduce on a gloo group of its own: has   every rank
@@ -376,16 +377,29 @@ class Checkpointer:
         committed = [self.wait()]
         tag = tag_for_step(step)
         self.in_flight = _InFlight(tag, Layout.of_engine(self.engine), read_latest(self.directory), before_commit)
+        self._snapshot(tag, client_state, rank_state)
+        self.files.start()
+        if self.mode == "sync":
+            committed.append(self.wait())
+        return [entry for entry in committed if entry is not None]
+
+    def rehearse(self, client_state: dict[str, Any], rank_state: dict[str, Any] | None = None) -> None:
+        """Collective, before the first step and after it (an optimizer makes its state, Adam's moments, at its
+        first step): a save of this state that only allocates the host buffers and hands them to the writer
+        process, so that the first real save allocates nothing. Nothing is copied, no checkpoint directory made; DeepSpeed's rank 0 copies its recovery scripts (zero_to_fp32.py) into the save
+        directory, as every save does."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self.files.rehearsal():
+            self._snapshot("rehearsal", client_state, rank_state)  # no directory is made, nothing written
+
+    def _snapshot(self, tag: str, client_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        """Every file of this rank's checkpoint, DeepSpeed's and the project's, into the engine's host buffers."""
         with ds_internals.own_expert_checkpoints(self.engine):
             self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         save_expert_files(self.engine.module, self.directory / tag, _tensor_parallel_rank(self.engine),
                           self.engine.module.expert_parallel_size, self.files.save)
         self.files.save({"rng": rng_state(self.engine.module.tensor_parallel_rng), **(rank_state or {})},
                         str(rank_state_file(self.directory / tag, dist.get_rank())))
-        self.files.start()
-        if self.mode == "sync":
-            committed.append(self.wait())
-        return [entry for entry in committed if entry is not None]
 
     def poll(self) -> tuple[str, list[str]] | None:
         """After a step: commit the checkpoint in flight if every rank's writer has finished (one small all-reduce);

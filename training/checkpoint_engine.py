@@ -1,31 +1,43 @@
-"""The checkpoint engine: every file of a checkpoint snapshot to host memory, then written in the background.
+"""The checkpoint engine: every file of a checkpoint snapshot to host memory, then written by a writer process.
 
 DeepSpeed writes every checkpoint file through ``engine.checkpoint_engine`` (its pipeline layer files included), so
 this engine, set in place of its own, keeps DeepSpeed's file layout and its loaders, and changes only when and how
 the bytes reach the disk:
 
-    when                         what                                                     who
-    save() (DeepSpeed calls it)  the state's tensors copied into the run's host buffers    the training thread
-                                 (below), storage sharing kept (non-blocking copies into
-                                 pinned buffers on CUDA); nothing written yet
+    when                         what                                                     who, where
+    start-up (rehearsal())       a save of the run's state that only sizes the host        the training thread,
+                                 buffers (below): allocated, their pages touched, their   before the first step and
+                                 shared-memory handles sent to the writer; nothing        after it (the optimizer's
+                                 copied or written                                        lazy state: Adam's moments)
+    save() (DeepSpeed calls it)  the state's tensors copied into the host buffers,        the training thread
+                                 storage sharing kept (non-blocking copies into pinned
+                                 buffers on CUDA); nothing written yet
     start()                      one device synchronisation, then the files handed to     the training thread
-                                 the writer; training continues
-    the writer                   each file: serialised into .<name>.tmp-<host>-<pid>-...   one background thread
-                                 while its size and CRC-32 are counted, fsync, renamed
-                                 into place, the directory fsynced (common/files.py)
+                                 the hand-over thread; training continues
+    the hand-over thread         each file in turn: the snapshot pickled with its         a thread of the training
+                                 tensors as references into the buffers (kilobytes),      process, blocked on a pipe
+                                 sent; the writer's answer awaited                        (the GIL free) meanwhile
+    the writer                   each file: torch.save of the snapshot, viewing the       a process of its own
+                                 shared buffers, into .<name>.tmp-<host>-<pid>-... while  (spawned once per engine:
+                                 its size and CRC-32 are counted, fsync, renamed into     training/checkpoint_writer
+                                 place, the directory fsynced (common/files.py)           .py), its own GIL
     wait()                       until the writer has finished; its files (name, bytes,   whoever must not overlap
                                  CRC-32) or the error (the file and the OS error)          the next checkpoint
+    cleanup()                    the writer process ends (it also ends by itself when     the training thread
+                                 the training process dies)
 
 At most one checkpoint is in flight: the next save waits for the previous one (training/checkpoint.py commits it),
 and save() refuses to begin while the writer still reads the buffers. In "sync" mode start() waits at once: the same
 snapshot and the same writer, so the same bytes. Loading is DeepSpeed's own: ``load`` is torch.load of its own files
 (weights_only=False: they hold Python objects).
 
-The host buffers (``HostBuffers``) are allocated at the first save, sized from the state, and reused by every later
-save: one storage per storage of the state, found again by where it sits (the file's name and the keys that lead to
-it). They cost host memory for the whole run: each rank holds one copy of what it writes (its layer files on DP rank
-0, its ZeRO-1 optimizer shard: fp32 master weights and both Adam moments). Fault injection (a slow writer, a full
-disk) wraps ``SnapshotCheckpointEngine.write_file``: training/faults.py.
+The host buffers (``HostBuffers``) are allocated by the rehearsals (training/checkpoint.py ``Checkpointer.rehearse``,
+before and after the first step; without them, at the first save), sized from the state, and reused by every save: one
+storage per storage of the state, found again by where it sits (the file's name and the keys that lead to it), in
+shared memory. They cost host memory for the whole run: each rank holds one copy of what it writes (its layer files
+on DP rank 0, its ZeRO-1 optimizer shard: fp32 master weights and both Adam moments). Fault injection (a slow
+writer, a full disk) wraps ``SnapshotCheckpointEngine.write_file``, which the hand-over thread calls for each file:
+training/faults.py; a wrapped file reaches the writer process late, or never.
 """
 
 from __future__ import annotations
@@ -35,8 +47,8 @@ import copy
 import queue
 import threading
 import time
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,17 +57,12 @@ import torch
 
 from common.deepspeed_internals import CheckpointCommitInfo, CheckpointEngine
 from common.device import HOST
-from common.files import atomic_open
+from training.checkpoint_writer import WriterProcess, WrittenFile, write_file
+
+__all__ = ["MODES", "HostBuffers", "SnapshotCheckpointEngine", "WriterError", "WrittenFile", "host_snapshot",
+           "write_file"]
 
 MODES = ("async", "sync")
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    name: str
-    """The file's name in the checkpoint directory."""
-    bytes: int
-    crc32: int
 
 
 class WriterError(RuntimeError):
@@ -68,7 +75,8 @@ class WriterError(RuntimeError):
 
 
 class HostBuffers:
-    """The host memory snapshots are copied into: allocated at the first save, reused by every later one.
+    """The host memory snapshots are copied into: allocated once (by the rehearsals around the first step, else at
+    the first save), reused by every later save.
 
         a storage of the state, found at      its buffer
         the place of a buffer of the last     that buffer, the same storage (``copy_`` into it): nothing allocated
@@ -79,9 +87,10 @@ class HostBuffers:
         a second time in one save             a new one for this save only (counted; never two snapshots in one)
         no longer in the state                its buffer is released by ``end_save()``
 
-    A place is the file's name and the keys and indices that lead to the tensor that first shows the storage. Buffers
-    of CUDA tensors are pinned (page-locked, allocated as such: no pageable copy first), the copy into them
-    non-blocking; others are plain host memory.
+    A place is the file's name and the keys and indices that lead to the tensor that first shows the storage. Every
+    buffer is in shared memory (``share_memory_``), which the writer process maps (training/checkpoint_writer.py);
+    buffers of CUDA tensors are also pinned (the shared pages registered with ``cudaHostRegister``, as torchtitan
+    pins its shared buffers), the copy into them non-blocking.
     """
 
     def __init__(self) -> None:
@@ -90,11 +99,19 @@ class HostBuffers:
         self.allocations = 0
         """Buffers allocated since the engine was made: at the first save, then only where the state changed."""
         self.allocated_bytes = 0
+        self.shared: dict[int, tuple[int, torch.UntypedStorage]] = {}
+        """Data pointer -> (number, buffer) of every live buffer that holds bytes: what the writer maps."""
+        self.sizing = False
+        """True during a rehearsal: snapshots take (allocate) their buffers but copy nothing into them."""
         self._taken: set[tuple] = set()
+        self._once: list[torch.UntypedStorage] = []
+        self._numbers = iter(range(1 << 62))
 
     def take(self, place: tuple, nbytes: int, pinned: bool) -> torch.UntypedStorage:
         if place in self._taken:
-            return self._allocate(nbytes, pinned)
+            buffer = self._allocate(nbytes, pinned)
+            self._once.append(buffer)
+            return buffer
         self._taken.add(place)
         buffer, was_pinned = self.storages.get(place, (None, pinned))
         if buffer is None or buffer.nbytes() != nbytes or was_pinned != pinned:
@@ -103,15 +120,39 @@ class HostBuffers:
         return buffer
 
     def end_save(self) -> None:
-        """The save's snapshot is complete: buffers it did not take are released."""
+        """The save's snapshot is complete: buffers it did not take are released (the previous save's writer has
+        finished with them), those it took stay shared until the next save ends."""
         self.storages = {place: buffer for place, buffer in self.storages.items() if place in self._taken}
-        self._taken = set()
+        live = {buffer.data_ptr() for buffer, _ in self.storages.values()} | {b.data_ptr() for b in self._once}
+        for pointer in set(self.shared) - live:
+            _unpin(self.shared.pop(pointer)[1])
+        self._taken, self._once = set(), []
 
     def _allocate(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
         self.allocations += 1
         self.allocated_bytes += nbytes
-        # host: a snapshot buffer, pinned when it receives a CUDA tensor's copy
-        return torch.empty(nbytes, dtype=torch.uint8, device=HOST, pin_memory=pinned).untyped_storage()
+        # host: a snapshot buffer, in shared memory for the writer process (pinned too for a CUDA tensor's copy)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=HOST).untyped_storage()
+        if nbytes:
+            buffer.share_memory_()
+            if pinned:
+                _pin(buffer)
+            self.shared[buffer.data_ptr()] = (next(self._numbers), buffer)
+        return buffer
+
+
+def _pin(buffer: torch.UntypedStorage) -> None:
+    """Page-lock a shared buffer for CUDA's non-blocking copies (torch's pin_memory would allocate new memory)."""
+    error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {buffer.nbytes():,}-byte checkpoint buffer failed ({error}): "
+                           f"too little lockable host memory? Use training.checkpoint_mode \"sync\"")
+
+
+def _unpin(buffer: torch.UntypedStorage) -> None:
+    if buffer.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized() and \
+            buffer.is_pinned():
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def host_snapshot(state: Any, buffers: HostBuffers | None = None, place: tuple = (), memo: dict | None = None) -> Any:
@@ -137,38 +178,14 @@ def _tensor_snapshot(tensor: torch.Tensor, buffers: HostBuffers, place: tuple, m
     key = (tensor.device, storage.data_ptr())
     if key not in memo:
         memo[key] = buffers.take(place, storage.nbytes(), pinned=tensor.is_cuda)
-        memo[key].copy_(storage, non_blocking=tensor.is_cuda)
+        if not buffers.sizing:
+            memo[key].copy_(storage, non_blocking=tensor.is_cuda)
     # host: a view of the snapshot's buffer, as the tensor views its storage
     copied = torch.empty(0, dtype=tensor.dtype, device=HOST).set_(memo[key], tensor.storage_offset(), tensor.size(),
                                                                   tensor.stride())
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
     return copied.requires_grad_(tensor.requires_grad) if tensor.is_leaf else copied
-
-
-class _Counted:
-    """A file object that counts the bytes and the CRC-32 of what goes through it."""
-
-    def __init__(self, handle) -> None:
-        self.handle, self.bytes, self.crc32 = handle, 0, 0
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self.crc32 = zlib.crc32(view, self.crc32)
-        self.bytes += view.nbytes
-        return self.handle.write(view)
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def write_file(state: Any, path: Path, zipfile: bool = True) -> WrittenFile:
-    """torch.save into a temporary name beside ``path``, its size and CRC-32 counted as it goes, then published
-    (common/files.py: fsync, rename to ``path``, directory fsync); on an error the temporary is removed."""
-    with atomic_open(path, "wb") as handle:
-        counted = _Counted(handle)
-        torch.save(state, counted, _use_new_zipfile_serialization=zipfile)
-    return WrittenFile(path.name, counted.bytes, counted.crc32)
 
 
 @dataclass
@@ -190,15 +207,18 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             raise ValueError(f"training.checkpoint_mode must be one of {MODES}, got {mode!r}")
         self.name, self.mode, self.zipfile = "SnapshotCheckpointEngine", mode, zipfile
         self.buffers = HostBuffers()
-        self.write_file: Callable[[Any, Path, bool], WrittenFile] = write_file
-        """What the writer calls for each file: (snapshot, path, zipfile). training/faults.py wraps it."""
+        self.writer = WriterProcess()  # spawned now: it starts while the run builds and trains
+        self.write_file: Callable[[Any, Path, bool], WrittenFile] = self.writer.write
+        """What the hand-over thread calls for each file: (snapshot, path, zipfile); by default the writer process
+        writes it. training/faults.py wraps it (a slow writer, a full disk)."""
         self.pending: _Batch | None = None
         self.current: _Batch | None = None
         self.tag: str | None = None
         self.blocked_s = 0.0
         """Seconds the last save held the training thread (snapshot and hand-over; with "sync", the writing too)."""
+        self._rehearsing = False
         self._jobs: queue.Queue[_Batch | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._write_batches, name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._write_batches, name="checkpoint-hand-over", daemon=True)
         self._thread.start()
 
     # -- DeepSpeed's interface -------------------------------------------------------------------------------------
@@ -208,6 +228,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.tag, self.pending = info.tag, _Batch()
         self._started = time.perf_counter()
 
+    def makedirs(self, path, exist_ok=False) -> None:
+        if not self._rehearsing:
+            super().makedirs(path, exist_ok=exist_ok)
+
     def save(self, state_dict: Any, path: str) -> None:
         if self.pending is None:
             self.create(CheckpointCommitInfo(tag=Path(path).parent.name, save_dir=str(Path(path).parent.parent),
@@ -216,7 +240,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             raise RuntimeError(f"checkpoint {self.tag} is still being written: wait() before the next save")
         # The buffers are reused: safe because the previous checkpoint's writer has finished (checked above and in
         # create()), and it is the only reader of the host buffers.
-        self.pending.files.append((Path(path), host_snapshot(state_dict, self.buffers, (Path(path).name,))))
+        snapshot = host_snapshot(state_dict, self.buffers, (Path(path).name,))
+        self.pending.files.append((Path(path), snapshot))
 
     def load(self, path: str, map_location=None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -226,6 +251,23 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         run after the project's own files are added)."""
         return True
 
+    @contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """Saves inside only size the host buffers (allocated, their pages touched, handed to the writer): nothing
+        is copied or written, no directory made. After one, a save of the same shapes allocates nothing."""
+        if self.in_flight:
+            raise RuntimeError(f"checkpoint {self.tag} is still being written: wait() before a rehearsal")
+        self._rehearsing = self.buffers.sizing = True
+        try:
+            yield
+        finally:
+            self._rehearsing = self.buffers.sizing = False
+            rehearsed, self.pending = self.pending, None
+            self.buffers.end_save()
+            self.writer.share(self.buffers.shared)
+            if rehearsed is not None:  # the writer imports and maps now what its first write will need
+                self.writer.warm([state for _, state in rehearsed.files])
+
     # -- the writer ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Hand the snapshot to the writer (after one device synchronisation); with "sync", wait for it."""
@@ -234,6 +276,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the one synchronisation of the save: every non-blocking copy has landed
         self.buffers.end_save()
+        self.writer.share(self.buffers.shared)  # handles of new buffers only: none once the shapes are settled
         self.current, self.pending = self.pending, None
         self._jobs.put(self.current)
         if self.mode == "sync":
@@ -261,6 +304,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.current = None
 
     def _write_batches(self) -> None:
+        """The hand-over thread: each file to ``write_file`` (the writer process), one at a time, waiting for it
+        (a blocking read of a pipe: the GIL is free meanwhile)."""
         while (batch := self._jobs.get()) is not None:
             for path, state in batch.files:
                 try:
@@ -272,4 +317,13 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             batch.done.set()
 
     def cleanup(self) -> None:
-        self._jobs.put(None)
+        """End the hand-over thread and the writer process: after the checkpoint in flight if there is none, at
+        once if there is (a run ending on an error: that checkpoint would never be committed)."""
+        if self._thread.is_alive():
+            abandoned = self.in_flight
+            self._jobs.put(None)
+            if abandoned:
+                self.writer.close(kill=True)
+            self._thread.join()
+        if self.writer.process.exitcode is None:
+            self.writer.close()

@@ -11,7 +11,9 @@
                                     checkpoint stays in flight over the next steps
 
 Steps are 1-based optimizer steps, as logged. The two writer faults wrap the checkpoint engine's per-file hook
-(``SnapshotCheckpointEngine.write_file``, training/checkpoint_engine.py): the engine itself has no fault parameter.
+(``SnapshotCheckpointEngine.write_file``, training/checkpoint_engine.py), which hands each file to the writer
+process: a wrapped file reaches the writer late (a delay, a gate) or never (the ENOSPC raised in its place comes back
+as the writer's own OSError would). The engine itself has no fault parameter.
 
     delay_writes(files, seconds)   each file waits ``seconds`` before it is written
     hold_writes(files, gate)       each file waits until ``gate`` (a threading.Event) is set

@@ -141,6 +141,9 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
         self.resume()
+        if self.checkpointer is not None:  # the host buffers, allocated before the first step, not at the first save
+            self.checkpointer.rehearse(*self._checkpoint_states())
+        rehearsed_after_a_step = self.checkpointer is None
         self.logger.info(describe_layout(self.config))
         self.logger.start_wandb(resumed=self.saved_step is not None, layout={
             "world_size": dist.get_world_size(), "data_parallel_size": self.ctx.data_parallel_size})
@@ -154,6 +157,9 @@ class Trainer:
                 with self.memory.guard(self.state.step + 1):  # on OOM: a snapshot, then the error
                     loss, skipped = self.train_step(loader)
                 self.memory.after_step(self.state.step)
+                if not rehearsed_after_a_step:  # the optimizer's state made by its first step (Adam's moments)
+                    self.checkpointer.rehearse(*self._checkpoint_states())
+                    rehearsed_after_a_step = True
                 if not skipped:
                     self.state.consecutive_skips = 0
                 status = self._agree_on_status(stop)
@@ -393,15 +399,9 @@ class Trainer:
         if self.checkpointer is None or self.state.step == self.saved_step:
             return
         started = time.perf_counter()
+        client_state, rank_state = self._checkpoint_states()
         committed = self.checkpointer.save(
-            self.state.step,
-            client_state={"train_state": asdict(self.state), "run_config": self.config.to_dict(),
-                          "noise_scale": self.noise_scale.state_dict(),
-                          "spike_detector": self.spike_detector.state_dict(),
-                          "noise_scale_schedule": self.noise_scale_schedule.state_dict()
-                          if self.noise_scale_schedule is not None else None,
-                          "universal_checkpoint_info": universal_checkpoint_info(self.config.model)},
-            rank_state={"spike_guard": self.spike_guard.state_dict()},
+            self.state.step, client_state, rank_state,
             before_commit=lambda step=self.state.step: self.faults.before_checkpoint_commit(step, dist.get_rank()))
         self.saved_step = self.state.step
         for entry in committed:
@@ -413,6 +413,15 @@ class Trainer:
                              f"being written in the background)")
         else:
             self.logger.info(f"{stopped} (sync: written and committed)")
+
+    def _checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint holds beside DeepSpeed's state: the client state (every rank) and this rank's own."""
+        client_state = {"train_state": asdict(self.state), "run_config": self.config.to_dict(),
+                        "noise_scale": self.noise_scale.state_dict(), "spike_detector": self.spike_detector.state_dict(),
+                        "noise_scale_schedule": self.noise_scale_schedule.state_dict()
+                        if self.noise_scale_schedule is not None else None,
+                        "universal_checkpoint_info": universal_checkpoint_info(self.config.model)}
+        return client_state, {"spike_guard": self.spike_guard.state_dict()}
 
     def finish_checkpoints(self) -> None:
         """Wait for the checkpoint in flight and commit it (the end, a signal, a rollback)."""
