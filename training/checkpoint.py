@@ -386,8 +386,9 @@ class Checkpointer:
     def rehearse(self, client_state: dict[str, Any], rank_state: dict[str, Any] | None = None) -> None:
         """Collective, before the first step and after it (an optimizer makes its state, Adam's moments, at its
         first step): a save of this state that only allocates the host buffers and hands them to the writer
-        process, so that the first real save allocates nothing. Nothing is copied, no checkpoint directory made; DeepSpeed's rank 0 copies its recovery scripts (zero_to_fp32.py) into the save
-        directory, as every save does."""
+        process, so that the first real save allocates nothing. Nothing is copied, no checkpoint directory made;
+        DeepSpeed's rank 0 copies its recovery scripts (zero_to_fp32.py) into the save directory, as every save
+        does."""
         self.directory.mkdir(parents=True, exist_ok=True)
         with self.files.rehearsal():
             self._snapshot("rehearsal", client_state, rank_state)  # no directory is made, nothing written
