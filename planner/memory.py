@@ -50,6 +50,8 @@ Memory of stage i
         .attention_scores "stored" adds in place of the logsumexp and SDPA output, the unfused math kernel (an
         explicit mask, or a head dimension neither fused kernel takes); "recomputed" (default) leaves it out.
         recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
+        One block's backward peaks above its kept set by ``layer_backward_transient_bytes`` (the gradient of the
+        MLP's up-projection output), counted apart: not in the stage totals below.
         Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
         the last stage adds its head once: the final norm's output (the head's input) and statistics, and the
         logits and their gradient, 2 e s b V / t.
@@ -277,6 +279,19 @@ def layer_activation_bytes(model: ModelConfig, micro_batch: int, tensor_parallel
                                 context_parallel_size=context_parallel_size)
     tokens = model.seq_length // context_parallel_size * micro_batch  # this rank's slice under CP
     return tokens * sum(row.bytes_per_token for row in rows if recompute in row.modes)
+
+
+def layer_backward_transient_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int, *,
+                                   context_parallel_size: int = 1) -> float:
+    """Bytes one dense block's backward holds beyond what the block keeps, at its peak: the gradient of the MLP's
+    up-projection output (2 f/t per token with SwiGLU's fused gate and up, f/t with GeLU), made while the whole kept set
+    is still alive, since the MLP's backward runs first. Later transients come after the MLP's kept rows (4 f/t or
+    2 f/t) are freed: the attention kernel's (one block of scores for the blockwise kernel, at most MAX_SCORES fp32
+    values; FlexAttention's tiles), which outweighs this term only at short sequences. Measured with
+    benchmarks/bench_document_attention.py (an allocation count after every operator): the Llama block at s 4096 and
+    8192 peaks at its kept bytes plus 2 f s b e, the GPT block at plus f s b e."""
+    width = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden_size / tensor_parallel_size
+    return DTYPE_BYTES[model.precision] * width * model.seq_length // context_parallel_size * micro_batch
 
 
 def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: int) -> int:
