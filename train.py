@@ -43,6 +43,9 @@ def data_path_to_blend(items: list[str]) -> list[list]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from training.checkpoint_writer import WriterProcess
+
+    WriterProcess.fork_early()  # before anything runs: the checkpoint writer, forked with torch already imported
     from runconfig.run import load_run_config
 
     overrides = list(args.set)

@@ -76,6 +76,7 @@ def test_the_real_deepspeed_command_with_a_hostfile_trains_and_checkpoints(hostf
     assert rank_map(output) == {0: (0, "TP 0/2 PP 0/2 DP 0/1"), 1: (1, "TP 1/2 PP 0/2 DP 0/1"),
                                 2: (2, "TP 0/2 PP 1/2 DP 0/1"), 3: (3, "TP 1/2 PP 1/2 DP 0/1")}
     assert "c10d::broadcast_" not in output and "all_gather_into_tensor` is deprecated" not in output
+    assert "written by process" in output and "(forked at start-up)" in output  # train.py's fork_early
 
 
 def launch_node(node_rank: int, world_info: dict[str, list[int]], port: int, arguments: list[str]
@@ -121,6 +122,7 @@ def test_the_tests_warm_start_equals_the_real_deepspeed_command(corpus, hostfile
     result = run_training(corpus, save, STEPS, TP2_PP2)
     assert result.args[0] == "warm"
     assert rank_map(result.stdout + result.stderr) == rank_map(reference_output)
+    assert "(forked at start-up)" in result.stdout  # the warm rank's checkpoint writer: no torch import of its own
     same_run(save, reference)
 
 

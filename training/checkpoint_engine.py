@@ -207,7 +207,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             raise ValueError(f"training.checkpoint_mode must be one of {MODES}, got {mode!r}")
         self.name, self.mode, self.zipfile = "SnapshotCheckpointEngine", mode, zipfile
         self.buffers = HostBuffers()
-        self.writer = WriterProcess()  # spawned now: it starts while the run builds and trains
+        self.writer = WriterProcess.start()  # forked at start-up, or spawned now: it starts while the run builds
         self.write_file: Callable[[Any, Path, bool], WrittenFile] = self.writer.write
         """What the hand-over thread calls for each file: (snapshot, path, zipfile); by default the writer process
         writes it. training/faults.py wraps it (a slow writer, a full disk)."""

@@ -1,7 +1,11 @@
 """The checkpoint writer process: serialises and writes the snapshot engine's files outside the training process.
 
-One writer per engine (training/checkpoint_engine.py), started with the "spawn" method (a fresh interpreter: never
-a fork of a training process that may hold CUDA state or threads), as torchtitan's ``async_with_pinned_mem`` does.
+One writer per engine (training/checkpoint_engine.py), never a fork of a training process that may hold CUDA state
+or threads. train.py forks one first thing (``WriterProcess.fork_early``), when its process has imported torch and
+nothing has run: a forkserver's way, the writer then starts without importing torch again. Any other writer is
+started with the "spawn" method (a fresh interpreter), as torchtitan's ``async_with_pinned_mem`` does. The writer
+ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the training process, which handles them by
+writing a checkpoint, still needs it.
 It reads the snapshot from the engine's host buffers, which live in shared memory (pinned with
 ``cudaHostRegister`` on CUDA), so no tensor byte crosses the pipe:
 
@@ -37,13 +41,17 @@ whose files hold N storages needs a hard limit above N.
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing
+import multiprocessing.util  # its exit handler (terminate, join) must run after _close_all
 import os
 import pickle
 import resource
+import signal
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,8 +174,13 @@ def raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def serve(connection: Any, parent: int) -> None:
-    """The writer process's loop (the module docstring's messages)."""
+def serve(connection: Any, parent: int, other_end: Any = None) -> None:
+    """The writer process's loop (the module docstring's messages); ``other_end``: the training process's end of the
+    pipe, which a forked writer inherits and closes (its recv then sees EOF when the training process is gone)."""
+    if other_end is not None:
+        other_end.close()
+    for number in (signal.SIGINT, signal.SIGTERM):  # the training process answers them, and still needs its writer
+        signal.signal(number, signal.SIG_IGN)
     torch.set_num_threads(1)
     raise_open_file_limit()
     threading.Thread(target=_exit_with, args=(parent,), name="watch-parent", daemon=True).start()
@@ -203,21 +216,45 @@ class WriterProcess:
     """The training process's end: starts the writer, hands it the buffers' handles and each file, and takes back
     each file's WrittenFile (or raises its error). ``write`` is called by one thread at a time."""
 
-    def __init__(self) -> None:
+    _early: WriterProcess | None = None
+    """The writer train.py forked at its start (fork_early), until an engine takes it (start)."""
+
+    def __init__(self, method: str = "spawn") -> None:
         import torch.multiprocessing  # noqa: F401  torch's reductions: a shared storage pickles as its handle
 
         raise_open_file_limit()
-        spawn = multiprocessing.get_context("spawn")
-        self.connection, child = spawn.Pipe()
+        self.method = method
+        """"fork" (at start-up, fork_early) or "spawn"."""
+        context = multiprocessing.get_context(method)
+        self.connection, child = context.Pipe()
         # daemon: an interpreter that exits without cleanup() terminates it; a killed one is watched (_exit_with)
-        self.process = spawn.Process(target=serve, args=(child, os.getpid()), name="checkpoint-writer", daemon=True)
+        other_end = self.connection if method == "fork" else None
+        self.process = context.Process(target=serve, args=(child, os.getpid(), other_end), name="checkpoint-writer",
+                                       daemon=True)
         self.process.start()
+        _LIVE.add(self)
         child.close()  # the writer's end lives in the writer only: its recv sees EOF when this process dies
         self.numbers: dict[int, int] = {}
         """Data pointer -> number of each buffer the writer has mapped."""
         self.cpu_s = 0.0
         """The writer process's CPU seconds so far (user and system), as of its last reply."""
         self._lock = threading.Lock()
+
+    @classmethod
+    def fork_early(cls) -> None:
+        """Fork the writer of this process's first engine now (train.py, first thing): a fork costs nothing, but only
+        while the process has one thread and no CUDA context, before anything has run; otherwise the engine spawns
+        its writer as usual."""
+        if cls._early is None and threading.active_count() == 1 and not torch.cuda.is_initialized():
+            cls._early = cls("fork")
+
+    @classmethod
+    def start(cls) -> WriterProcess:
+        """The engine's writer: the one forked at start-up if it is alive and not taken yet, else a spawned one."""
+        early, cls._early = cls._early, None
+        if early is not None and early.process.is_alive():
+            return early
+        return cls()
 
     def share(self, buffers: dict[int, tuple[int, torch.UntypedStorage]]) -> None:
         """Send the handles of the buffers the writer has not mapped yet, and the numbers of those released;
@@ -277,3 +314,16 @@ class WriterProcess:
             self.process.kill()
             self.process.join()
         self.connection.close()
+        _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet[WriterProcess] = weakref.WeakSet()
+"""The writers of this process not closed yet."""
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, before multiprocessing's own handler (which would SIGTERM a writer, and the writer ignores it): close
+    the writers an engine left open."""
+    for writer in list(_LIVE):
+        writer.close()

@@ -391,6 +391,9 @@ class Trainer:
         checkpointer = checkpoint.Checkpointer(self.engine, training.save, training.checkpoint_mode,
                                                (training.keep_last, training.keep_every))
         self.faults.install_in_writer(checkpointer.files, dist.get_rank())
+        writer = checkpointer.files.writer
+        self.logger.info(f"[checkpoint] {training.checkpoint_mode} saves to {training.save}, written by process "
+                         f"{writer.process.pid} ({'forked at start-up' if writer.method == 'fork' else 'spawned'})")
         return checkpointer
 
     def save(self) -> None:
