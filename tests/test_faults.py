@@ -49,8 +49,9 @@ def wait_for_step(process: subprocess.Popen, save: Path, step: int, timeout_s: f
 
 
 def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The training ranks (the deepspeed launcher passes them --local_rank=N)."""
-    children = psutil.Process(launcher.pid).children(recursive=True)
+    """The training ranks (the deepspeed launcher passes them --local_rank=N): its children, not their checkpoint
+    writers, which train.py forks (the same command line, one level down)."""
+    children = psutil.Process(launcher.pid).children()
     ranks = [p for p in children if any(arg.startswith("--local_rank") for arg in p.cmdline())]
     assert len(ranks) == 4, [p.cmdline() for p in children]
     return ranks
