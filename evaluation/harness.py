@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import os
 import re
@@ -162,13 +164,31 @@ def quiet_lm_eval(level: int = logging.WARNING) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+@functools.cache
+def _environment() -> dict[str, Any]:
+    from lm_eval.loggers.utils import add_env_info
+
+    storage: dict[str, Any] = {}
+    add_env_info(storage)
+    return storage
+
+
+def _environment_once(storage: dict[str, Any]) -> None:
+    """lm-eval's add_env_info, collected once per process: it runs torch's collect_env (``pip list`` and other
+    subprocesses, 0.76 s here) in every simple_evaluate, so a run evaluating its tasks every few hundred steps paid it
+    at each evaluation."""
+    storage.update(copy.deepcopy(_environment()))
+
+
 def evaluate(lm, tasks: list[str], include_paths: list[Path] = (), num_fewshot: int | None = None,
              limit: int | float | None = None, log_samples: bool = False, bootstrap_iters: int = 0,
              seed: int = 1234) -> dict[str, Any] | None:
     """lm-eval's simple_evaluate of ``tasks`` on ``lm`` (a ParallelLM), the shipped tasks and ``include_paths``
     available. Every rank must call it; lm-eval's results come back where LOCAL_RANK is 0."""
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
+    lm_eval.evaluator.add_env_info = _environment_once  # the name simple_evaluate calls
     with _task_manager(tasks, include_paths) as manager:
         return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters, task_manager=manager,

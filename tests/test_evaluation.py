@@ -299,6 +299,7 @@ def test_tools_evaluate_and_generate_in_one_process(models, reference, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["results"]["alice_choice"]["acc,none"] == reference["gpt"][0]["metrics"]["alice_choice/acc"]
+    assert "PyTorch version" in saved["pretty_env_info"]  # lm-eval's environment, collected once per process
     assert "alice_choice" in result.stdout and "acc_norm" in result.stdout
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
