@@ -29,7 +29,8 @@ The layer maps describe every tensor of our layer files, parameters and persiste
 no architecture fits (a mixed shape, the "sigmoid_bias" router) still has them, its tensors without HF names, so that
 reading a checkpoint, resharding it and evaluating it work (evaluation/loading.py). What needs HF names (the export,
 the import, ``hf_shapes``, ``hf_config``) resolves an architecture first and refuses such a shape in one line
-(``resolve_architecture``).
+(``resolve_architecture``). Multi-head latent attention (model.attention_type "mla", model/mla.py) is such a shape
+until DeepseekV3's table is written: its tensors are in the layer maps, no architecture fits it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("block", "attention.qkv.bias"): (("qkv",), 0),
     ("block", "attention.q_norm.weight"): (("d",), None),
     ("block", "attention.k_norm.weight"): (("d",), None),
+    ("block", "attention.q_proj.weight"): (("q_heads", "h"), 0),  # MLA (model/mla.py): rows whole heads
+    ("block", "attention.q_a_proj.weight"): (("q_lora", "h"), None),
+    ("block", "attention.q_a_proj.bias"): (("q_lora",), None),
+    ("block", "attention.q_a_layernorm.weight"): (("q_lora",), None),
+    ("block", "attention.q_b_proj.weight"): (("q_heads", "q_lora"), 0),
+    ("block", "attention.kv_a_proj_with_mqa.weight"): (("kv_down", "h"), None),
+    ("block", "attention.kv_a_proj_with_mqa.bias"): (("kv_down",), None),
+    ("block", "attention.kv_a_layernorm.weight"): (("kv_lora",), None),
+    ("block", "attention.kv_b_proj.weight"): (("kv_heads", "kv_lora"), 0),
     ("block", "attention.dense.weight"): (("h", "attention"), 1),
     ("block", "attention.dense.bias"): (("h",), None),
     ("block", "ln2.weight"): (("h",), None),
@@ -187,7 +197,10 @@ ARCHITECTURES = {arch.name: arch for arch in (
 def compatible_architectures(config: ModelConfig) -> list[Architecture]:
     """The HF architectures that compute this model's function, preferred first (none for a mixed shape).
 
-    GPT-2 and Qwen2 have no head_dim of their own (hidden_size / heads); only Qwen3 has the q/k norms."""
+    GPT-2 and Qwen2 have no head_dim of their own (hidden_size / heads); only Qwen3 has the q/k norms. No table maps
+    multi-head latent attention yet (DeepseekV3's)."""
+    if config.attention_type == "mla":
+        return []
     default_head_dim = config.head_dim * config.num_attention_heads == config.hidden_size
     if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias,
             config.qk_layernorm) == ("learned", "layernorm", "gelu", True, "all", False) and (
@@ -225,6 +238,10 @@ def _moe_architectures(config: ModelConfig, default_head_dim: bool) -> list[Arch
 
 
 def _no_architecture_message(config: ModelConfig) -> str:
+    if config.attention_type == "mla":
+        return ("model.attention_type \"mla\" has no Hugging Face conversion yet (DeepseekV3's tensor table is not "
+                "written): evaluate the checkpoint itself (tools/evaluate.py, any TP x PP), or train with "
+                "attention_type \"mha\" for a model that exports")
     fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
                                                     "bias", "num_key_value_heads", "head_dim", "qk_layernorm")}
     shape = ", ".join(f"model.{k} = {v!r}" for k, v in fields.items())
@@ -306,8 +323,11 @@ def _our_keys(config: ModelConfig, kind: str, block: int = 0) -> list[str]:
     if kind == "head":
         return [] if config.tie_word_embeddings else ["weight"]
     first, second = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
-    keys = [f"ln1.{p}" for p in norm] + ["attention.qkv.weight"]
-    keys += ["attention.qkv.bias"] if config.qkv_has_bias else []
+    keys = [f"ln1.{p}" for p in norm]
+    if config.attention_type == "mla":
+        keys += _latent_attention_keys(config)
+    else:
+        keys += ["attention.qkv.weight"] + (["attention.qkv.bias"] if config.qkv_has_bias else [])
     keys += [f"attention.{which}_norm.{p}" for which in "qk" for p in norm] if config.qk_layernorm else []
     keys += ["attention.dense.weight"] + (["attention.dense.bias"] if config.other_linears_have_bias else [])
     keys += [f"ln2.{p}" for p in norm]
@@ -316,6 +336,18 @@ def _our_keys(config: ModelConfig, kind: str, block: int = 0) -> list[str]:
     for linear in (first, second):
         keys += [f"mlp.{linear}.weight"] + ([f"mlp.{linear}.bias"] if config.other_linears_have_bias else [])
     return keys
+
+
+def _latent_attention_keys(config: ModelConfig) -> list[str]:
+    """MLA's tensors but its output projection (``dense``, as SelfAttention's), in model/mla.py's order."""
+    bias = ["bias"] if config.other_linears_have_bias else []
+    if config.q_lora_rank is None:
+        keys = ["attention.q_proj.weight"]
+    else:
+        keys = [f"attention.q_a_proj.{p}" for p in ["weight", *bias]]
+        keys += ["attention.q_a_layernorm.weight", "attention.q_b_proj.weight"]
+    keys += [f"attention.kv_a_proj_with_mqa.{p}" for p in ["weight", *bias]]
+    return keys + ["attention.kv_a_layernorm.weight", "attention.kv_b_proj.weight"]
 
 
 def _moe_keys(config: ModelConfig) -> list[str]:
@@ -383,6 +415,11 @@ def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int
     sizes = {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
              "attention": config.attention_size, "positions": config.max_position_embeddings,
              "padded_vocab": config.padded_vocab_size(tensor_parallel_size), "one": 1}
+    if config.attention_type == "mla":
+        heads = config.num_attention_heads
+        sizes.update(q_heads=heads * config.head_dim, q_lora=config.q_lora_rank, kv_lora=config.kv_lora_rank,
+                     kv_down=config.kv_lora_rank + config.qk_rope_head_dim,
+                     kv_heads=heads * (config.qk_nope_head_dim + config.v_head_dim))
     if config.moe is not None:
         expert, shared = config.moe.moe_ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
         sizes.update(experts=config.moe.num_experts, fe=expert, **{"2fe": 2 * expert}, fs=shared,

@@ -8,7 +8,9 @@ with the attention dropout) is what selective recomputation reruns. Without docu
 kernel; with a packed sample's ``segment_ids`` (data.reset_attention_mask) it is block-diagonal causal
 (``document_mask``): by default (model.attention_backend "auto") FlexAttention on CUDA and the blockwise kernel of
 model/document_attention.py elsewhere, both in memory linear in s; SDPA with the s x s mask is the reference, and the
-kernel under attention dropout (``document_kernel``).
+kernel under attention dropout (``document_kernel``). The core, its recomputation, the probe and the KV cache slot
+are CausalAttention's, which model/mla.py's multi-head latent attention shares (with its own projections, v of
+its own width, and its own softmax scale).
 
 Under Ulysses context parallelism (parallelism.context_parallel_size CP > 1) s is this rank's slice of the sample,
 s = S / CP: RoPE rotates q and k at the slice's global positions, then DeepSpeed's DistributedAttention trades the
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.device import device_of
 from model.config import ModelConfig
 from model.document_attention import blockwise_document_attention
 from model.init import parameter_seed
@@ -80,13 +83,15 @@ class BlockMasks:
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                            grouped: bool, block_masks: BlockMasks | None = None) -> torch.Tensor:
+                            grouped: bool, block_masks: BlockMasks | None = None,
+                            scale: float | None = None) -> torch.Tensor:
     """The attention of ``document_mask`` (model.attention_backend "flex"): FlexAttention with a block mask made from
     the (b, s) ids, so that the blocks outside every document's causal square are never computed; q (b, nh, s, d),
-    k and v (b, g, s, d) with ``grouped`` query heads per key head. No dropout (the config refuses it).
-    ``block_masks``: the stage's, so that its blocks make the mask once per micro-batch (a new one when not given)."""
+    k (b, g, s, d) and v (b, g, s, d_v) with ``grouped`` query heads per key head. No dropout (the config refuses it).
+    ``block_masks``: the stage's, so that its blocks make the mask once per micro-batch (a new one when not given);
+    ``scale``: the softmax scale (None: 1 / sqrt(d))."""
     mask = (block_masks or BlockMasks()).of(segment_ids, (q.shape[-2], q.device))
-    return _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=grouped)
+    return _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=grouped, scale=scale)
 
 
 @functools.cache
@@ -122,7 +127,75 @@ class KVCache:
         return keys, values
 
 
-class SelfAttention(nn.Module):
+class CausalAttention(nn.Module):
+    """What a block's attention does once it has projected q, k and v, whatever its projections (SelfAttention here,
+    MultiHeadLatentAttention in model/mla.py): the core, softmax(q k^T scale) v causal with the attention dropout and
+    the document-mask kernels; its selective recomputation; the attention-logit probe (``max_logit``); the KV cache
+    slot (``kv_cache``, set by kv_caches()).
+
+        q (b, nh/R, s, d), k (b, g/R, s, d), v (b, g/R, s, d_v): this TP rank's query heads, nh/g of them per key/value
+        head; d_v = d but under MLA; scale: ``softmax_scale``, None for 1 / sqrt(d) (SDPA's default)
+
+    ``kv_cache_refusal``: None where a subclass caches keys and values, else why it cannot (kv_caches raises it).
+    """
+
+    kv_cache_refusal: str | None = None
+
+    def __init__(self, config: ModelConfig, layer_number: int, rng: RNGStream, recompute_core: bool,
+                 queries_per_group: int, block_masks: BlockMasks | None = None,
+                 softmax_scale: float | None = None) -> None:
+        super().__init__()
+        self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
+        self.queries_per_group = queries_per_group
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout
+        self.backend = config.attention_backend  # the kernel of document masks (document_kernel)
+        self.block_masks = block_masks or BlockMasks()
+        self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
+        self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
+        self.layer_number = layer_number
+        self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
+
+    def _core_or_recompute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           segment_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(self.rng, self.core, q, k, v, segment_ids)
+        return self.core(q, k, v, segment_ids)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T scale) v with the attention dropout, causal: what selective recomputation reruns.
+
+        With a KV cache the s queries are the last s of the keys' positions: one query sees every key, several see
+        the keys up to their own position (a bottom-right causal mask). With ``segment_ids`` (b, s) the mask is
+        block-diagonal causal: a query sees the keys up to its own position in its own document (``document_mask``;
+        made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
+        dropout = self.dropout if self.training else 0.0
+        queries, keys = q.shape[-2], k.shape[-2]
+        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
+            largest = largest_logit(q, k, segment_ids)  # of q.k / sqrt(d): the logits over a positive constant
+            if self.softmax_scale is not None:
+                largest = largest * (self.softmax_scale * q.shape[-1] ** 0.5)
+            self.max_logit = torch.maximum(self.max_logit, largest)
+        kernel = None if segment_ids is None else document_kernel(self.backend, q.device, dropout)
+        grouped = self.queries_per_group > 1
+        if kernel == "flex":
+            return flex_document_attention(q, k, v, segment_ids, grouped, self.block_masks, self.softmax_scale)
+        if kernel == "blockwise":
+            return blockwise_document_attention(q, k, v, segment_ids, self.softmax_scale)  # (b, nh/R, s, d_v)
+        mask = None
+        if segment_ids is not None:
+            mask = document_mask(segment_ids)  # (b, 1, s, s)
+        elif keys > queries > 1:
+            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
+        with self.rng.fork(enabled=dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  is_causal=queries == keys and segment_ids is None,
+                                                  dropout_p=dropout, scale=self.softmax_scale,
+                                                  enable_gqa=grouped)  # (b, nh/R, s, d_v)
+
+
+class SelfAttention(CausalAttention):
     """Causal self-attention over this rank's heads: fused QKV column-parallel, output row-parallel.
 
     With g key/value heads (groups) of q = heads / g query heads each, the QKV output rows are laid out per group,
@@ -138,17 +211,11 @@ class SelfAttention(nn.Module):
         """``rotary``: the RoPE of the model's blocks, shared so that a stage makes cos and sin once per micro-batch
         (model/layers.py RotaryEmbedding); a new one when not given (a RoPE config). ``block_masks``: the model's
         FlexAttention block masks, shared likewise (BlockMasks)."""
-        super().__init__()
+        super().__init__(config, layer_number, rng, recompute_core, config.queries_per_key_value_head, block_masks)
         h = config.hidden_size
-        self.recompute_core = recompute_core  # selective recomputation: store q, k, v; rerun the core in backward
         self.groups = config.num_key_value_heads // ctx.tensor_parallel_size
-        self.queries_per_group = config.queries_per_key_value_head
         self.heads = self.groups * self.queries_per_group
         self.head_dim = config.head_dim
-        self.dropout = config.attention_dropout
-        self.backend = config.attention_backend  # the kernel of document masks (document_kernel)
-        self.block_masks = block_masks or BlockMasks()
-        self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
         self.qkv = ColumnParallelLinear(h, config.qkv_size, ctx, init_std=config.init_method_std,
                                         seed=parameter_seed(seed, layer_number, "attention.qkv"),
                                         bias=config.qkv_has_bias)
@@ -174,9 +241,6 @@ class SelfAttention(nn.Module):
 
             self.ulysses = DistributedAttention(self._sequence_first_core, ctx.context_parallel_group,
                                                 scatter_idx=2, gather_idx=1)
-        self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
-        self.layer_number = layer_number
-        self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,46 +273,12 @@ class SelfAttention(nn.Module):
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
         return self.dense(context)  # (b, s, h)
 
-    def _core_or_recompute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           segment_ids: torch.Tensor | None) -> torch.Tensor:
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            return checkpoint(self.rng, self.core, q, k, v, segment_ids)
-        return self.core(q, k, v, segment_ids)
-
     def _sequence_first_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              segment_ids: torch.Tensor | None) -> torch.Tensor:
         """The core between Ulysses' all-to-alls: q (b, S, nh/(R CP), d), k and v (b, S, g/(R CP), d), all S
         positions of this CP rank's heads (whole key/value groups: query head j's group j // q came with it)."""
         context = self._core_or_recompute(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segment_ids)
         return context.transpose(1, 2)  # (b, S, nh/(R CP), d)
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with the attention dropout, causal: what selective recomputation reruns.
-
-        With a KV cache the s queries are the last s of the keys' positions: one query sees every key, several see
-        the keys up to their own position (a bottom-right causal mask). With ``segment_ids`` (b, s) the mask is
-        block-diagonal causal: a query sees the keys up to its own position in its own document (``document_mask``;
-        made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
-        dropout = self.dropout if self.training else 0.0
-        queries, keys = q.shape[-2], k.shape[-2]
-        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
-            self.max_logit = torch.maximum(self.max_logit, largest_logit(q, k, segment_ids))
-        kernel = None if segment_ids is None else document_kernel(self.backend, q.device, dropout)
-        if kernel == "flex":
-            return flex_document_attention(q, k, v, segment_ids, self.queries_per_group > 1, self.block_masks)
-        if kernel == "blockwise":
-            return blockwise_document_attention(q, k, v, segment_ids)  # (b, nh/R, s, d)
-        mask = None
-        if segment_ids is not None:
-            mask = document_mask(segment_ids)  # (b, 1, s, s)
-        elif keys > queries > 1:
-            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - queries)
-        with self.rng.fork(enabled=dropout > 0):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                  is_causal=queries == keys and segment_ids is None,
-                                                  dropout_p=dropout,
-                                                  enable_gqa=self.queries_per_group > 1)  # (b, nh/R, s, d)
 
     def extra_repr(self) -> str:
         return (f"{self.groups} key/value groups of {self.queries_per_group} query heads on this rank, "
@@ -315,10 +345,10 @@ def _unattended(rows: slice, length: int, segment_ids: torch.Tensor | None, devi
 def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
     """Inside, every attention of ``module`` keeps the largest logit of its forwards; on exit the dict maps each
     block's layer_number (1 .. L) to it (a device scalar: read on the host when it suits the caller)."""
-    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    attentions = [m for m in module.modules() if isinstance(m, CausalAttention)]
     found: dict[int, torch.Tensor] = {}
     for attention in attentions:
-        attention.max_logit = torch.full((), float("-inf"), device=attention.dense.weight.device)
+        attention.max_logit = torch.full((), float("-inf"), device=device_of(attention))
     try:
         yield found
     finally:
@@ -329,8 +359,12 @@ def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]
 
 @contextmanager
 def kv_caches(module: nn.Module) -> Iterator[list[KVCache]]:
-    """Give every attention in ``module`` (a stage, or the whole GPT) an empty KV cache for the duration."""
-    attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    """Give every attention in ``module`` (a stage, or the whole GPT) an empty KV cache for the duration; a
+    ValueError with the reason where an attention has none (``CausalAttention.kv_cache_refusal``)."""
+    attentions = [m for m in module.modules() if isinstance(m, CausalAttention)]
+    for attention in attentions:
+        if attention.kv_cache_refusal is not None:
+            raise ValueError(attention.kv_cache_refusal)
     caches = [KVCache() for _ in attentions]
     for attention, cache in zip(attentions, caches, strict=True):
         attention.kv_cache = cache

@@ -112,7 +112,8 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     group ([q heads of the group, k, v]; per head for multi-head attention), so a TP slice holds whole groups and the
     concatenation of the slices is the full weight, GQA included; its bias; fc1 and its bias. SwiGLU's gate_up
     stacks the rank's gate and up rows, so it is merged as two sub-parameters. The vocabulary padding is cut off and
-    re-added for the new TP.
+    re-added for the new TP. MLA (model/mla.py): its down-projections and their norms are replicated; q_b_proj (or
+    q_proj) and kv_b_proj hold whole heads per rank (concatenated), its output projection is ``dense``.
     """
     from deepspeed.checkpoint import constants as uc
 
@@ -126,6 +127,7 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
         *([r"1\.weight$"] if config.position_embedding == "learned" else []),  # positions
         block + rf"ln[12]\.{norm_parameters}$",
         *([block + rf"attention\.[qk]_norm\.{norm_parameters}$"] if config.qk_layernorm else []),
+        *_latent_attention_replicated(config, block),
         # row-parallel biases are added once, after the all-reduce
         *([block + r"attention\.dense\.bias$", block + rf"mlp\.{mlp_out}\.bias$"]
           if config.other_linears_have_bias else []),
@@ -145,6 +147,16 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     if config.moe is not None:
         _add_experts(info, config)
     return info
+
+
+def _latent_attention_replicated(config: ModelConfig, block: str) -> list[str]:
+    """MLA's replicated tensors: the down-projections (their biases with bias "all") and the latent norms."""
+    if config.attention_type != "mla":
+        return []
+    down = r"(q_a_proj|kv_a_proj_with_mqa)" if config.q_lora_rank is not None else r"kv_a_proj_with_mqa"
+    norms = r"(q_a_layernorm|kv_a_layernorm)" if config.q_lora_rank is not None else r"kv_a_layernorm"
+    parameters = r"(weight|bias)" if config.other_linears_have_bias else r"weight"
+    return [block + rf"attention\.{down}\.{parameters}$", block + rf"attention\.{norms}\.weight$"]
 
 
 def _add_experts(info: dict[str, Any], config: ModelConfig) -> None:

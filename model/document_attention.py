@@ -19,9 +19,9 @@ order of the sums, no dropout (the config refuses it with these kernels). B is c
 stay within ``MAX_SCORES`` fp32 values (16 MiB), at least 16 queries. The block ranges are read on the host once
 per call: this kernel is for the CPU, where that costs nothing; on CUDA "auto" runs FlexAttention.
 
-Layout: q (b, g, r, s, d), k and v (b, g, s, d): g key/value groups of r query heads each (query head j of the
-attention is group j // r, head j % r: transformers' repeat_kv order), so a group's keys are read once for its r
-query heads.
+Layout: q (b, g, r, s, d), k (b, g, s, d) and v (b, g, s, d_v) (d_v = d but under MLA, model/mla.py): g key/value
+groups of r query heads each (query head j of the attention is group j // r, head j % r: transformers' repeat_kv
+order), so a group's keys are read once for its r query heads.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class _DocumentAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor, scale: float):
         starts = document_starts(segment_ids)
         blocks = query_blocks(starts, q.shape[1] * q.shape[2])
-        b, g, r, s, d = q.shape  # out laid out (b, s, g, r, d), as SDPA lays its output: the dense input is a view
-        out = torch.empty(b, s, g, r, d, dtype=q.dtype, device=q.device).permute(0, 2, 3, 1, 4)
+        b, g, r, s, _ = q.shape  # out laid out (b, s, g, r, d_v), as SDPA lays its output: the dense input is a view
+        out = torch.empty(b, s, g, r, v.shape[-1], dtype=q.dtype, device=q.device).permute(0, 2, 3, 1, 4)
         log_sum_exp = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (b, g, r, s)
         for i0, i1, j0 in blocks:
             scores = _scores(q, k, starts, i0, i1, j0, scale)
@@ -109,12 +109,13 @@ class _DocumentAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
-def blockwise_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 segment_ids: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v under the block-diagonal causal mask of (b, s) ``segment_ids``: q (b, nh, s, d),
-    k and v (b, g, s, d), nh / g query heads per key/value head -> (b, nh, s, d). What document_mask + SDPA gives,
-    in memory linear in s (module docstring)."""
+def blockwise_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                                 scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T scale) v under the block-diagonal causal mask of (b, s) ``segment_ids``: q (b, nh, s, d), k
+    (b, g, s, d) and v (b, g, s, d_v), nh / g query heads per key/value head -> (b, nh, s, d_v); ``scale`` None:
+    1 / sqrt(d). What document_mask + SDPA gives, in memory linear in s (module docstring)."""
     batch, heads, length, width = q.shape
     groups = k.shape[1]
     grouped = q.reshape(batch, groups, heads // groups, length, width)
-    return _DocumentAttention.apply(grouped, k, v, segment_ids, width ** -0.5).reshape(batch, heads, length, width)
+    scale = width ** -0.5 if scale is None else scale
+    return _DocumentAttention.apply(grouped, k, v, segment_ids, scale).reshape(batch, heads, length, v.shape[-1])

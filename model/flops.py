@@ -21,17 +21,37 @@ from model.config import ModelConfig
 def layer_forward_flops_per_token(config: ModelConfig) -> float:
     """Forward FLOPs of one transformer block per token: 2 x its matmul weights, plus the attention core.
 
-    Weights: QKV (h x (query + 2 key/value heads) x head_dim), the output projection (heads x head_dim x h), the MLP
-    (2 matrices of h x ffn for GeLU, 3 for SwiGLU). The core, QK^T and the weighted sum of V, is 4 s a per token with
-    a = heads x head_dim (h unless model.head_dim is set apart), for every query head (grouped-query attention repeats
-    K and V; causality is not discounted, as in Narayanan et al.). The per-head q/k norms (model.qk_layernorm) are
-    elementwise, not counted. For the GPT shape this is 24 h^2 + 4 s h, so the total below is eq. 3 of Narayanan et
-    al. 2021. With model.moe the MLP is the mean over the blocks of what a token meets (mean_mlp_active_weights), so
-    that l x this is the model's; "full" recompute of some blocks only counts this mean block for each.
+    Weights: the attention's (attention_weights), the MLP (2 matrices of h x ffn for GeLU, 3 for SwiGLU). The core,
+    QK^T and the weighted sum of V, is 4 s a per token with a = heads x head_dim (h unless model.head_dim is set
+    apart), for every query head (grouped-query attention repeats K and V; causality is not discounted, as in
+    Narayanan et al.); under MLA 2 s heads (d_qk + d_v) (attention_core_flops_per_token). The per-head q/k norms
+    (model.qk_layernorm) are elementwise, not counted. For the GPT shape this is 24 h^2 + 4 s h, so the total below
+    is eq. 3 of Narayanan et al. 2021. With model.moe the MLP is the mean over the blocks of what a token meets
+    (mean_mlp_active_weights), so that l x this is the model's; "full" recompute of some blocks only counts this mean
+    block for each.
     """
-    h, attention = config.hidden_size, config.attention_size
-    weights = h * config.qkv_size + attention * h + mean_mlp_active_weights(config)
-    return 2.0 * weights + 4.0 * config.seq_length * attention
+    weights = attention_weights(config) + mean_mlp_active_weights(config)
+    return 2.0 * weights + attention_core_flops_per_token(config)
+
+
+def attention_weights(config: ModelConfig) -> int:
+    """The attention's matmul weights one token meets: QKV (h x (query + 2 key/value heads) x head_dim) and the output
+    projection (heads x head_dim x h); under MLA (model/mla.py) the query path (h r_q + r_q nh d_qk, or h nh d_qk
+    without q_lora_rank), the key/value path (h (r_kv + d_r) + r_kv nh (d_n + d_v)) and the output (nh d_v h)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    if config.attention_type != "mla":
+        return h * config.qkv_size + config.attention_size * h
+    q_width = heads * config.head_dim  # d_qk = d_n + d_r
+    queries = h * q_width if config.q_lora_rank is None else config.q_lora_rank * (h + q_width)
+    keys_values = h * (config.kv_lora_rank + config.qk_rope_head_dim)
+    keys_values += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return queries + keys_values + config.attention_size * h
+
+
+def attention_core_flops_per_token(config: ModelConfig) -> float:
+    """QK^T and the weighted sum of V per token, 2 s heads (d_qk + d_v): 4 s a with a = heads x head_dim where q, k and
+    v are as wide (not under MLA, whose v is d_v wide: attention_size is heads x d_v there)."""
+    return 2.0 * config.seq_length * (config.num_attention_heads * config.head_dim + config.attention_size)
 
 
 def mean_mlp_active_weights(config: ModelConfig) -> float:
@@ -60,7 +80,7 @@ def recompute_flops_per_token(config: ModelConfig, recompute: str) -> float:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if recompute == "full":
         return layer_forward_flops_per_token(config)
-    return 4.0 * config.seq_length * config.attention_size if recompute == "selective" else 0.0
+    return attention_core_flops_per_token(config) if recompute == "selective" else 0.0
 
 
 def recomputed_blocks(config: ModelConfig, pipeline_parallel_size: int | None, recompute: str | None = None) -> int:

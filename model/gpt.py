@@ -30,7 +30,7 @@ documents (model/attention.py ``document_mask``: block-diagonal causal) and rota
 its document, and the final norm drops them.
 
 The pieces that differ between architectures are chosen from the config by the tables below (POSITION_LAYERS,
-NORMS, FINAL_NORMS, MLPS); the skeleton (embedding -> blocks -> norm -> head) is one.
+ATTENTIONS, NORMS, FINAL_NORMS, MLPS); the skeleton (embedding -> blocks -> norm -> head) is one.
 
 Every layer is built from (ModelConfig, ParallelContext, seed, layer_number) and initialises itself (model/init.py),
 so a stage holds exactly its part of the unsplit model.
@@ -48,7 +48,8 @@ tensor-parallel ``RNGStream``.
 
 Recomputation (model.recompute, per block: ModelConfig.recompute_at) happens in TransformerLayer: "full" stores the
 block's input and reruns the block in the backward pass, "selective" stores q, k, v and reruns only the attention
-core (SelfAttention), "none" stores everything. Both replay the dropout masks of the forward (model/random.py).
+core (model/attention.py CausalAttention, MLA's too), "none" stores everything. Both replay the dropout masks of the
+forward (model/random.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from model.layers import (
     partial_gradient_parameters,
 )
 from model.loss import GPTLoss, gpt_loss
+from model.mla import MultiHeadLatentAttention
 from model.moe import MoEBlock, MoEMLP, sparse_layers
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
@@ -228,6 +230,7 @@ def _rms_norm(config: ModelConfig) -> nn.Module:
 
 
 NORMS = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}  # the blocks' two norms (replicated on every TP rank)
+ATTENTIONS = {"mha": SelfAttention, "mla": MultiHeadLatentAttention}  # model.attention_type: each block's attention
 
 
 class TransformerLayer(nn.Module):
@@ -249,9 +252,9 @@ class TransformerLayer(nn.Module):
         self.rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
         self.recompute = config.recompute_at(layer_number, ctx.pipeline_parallel_size)
         self.ln1 = NORMS[config.norm](config)
-        self.attention = SelfAttention(config, ctx, seed, layer_number, self.rng,
-                                       recompute_core=self.recompute == "selective", rotary=rotary,
-                                       block_masks=block_masks)
+        self.attention = ATTENTIONS[config.attention_type](config, ctx, seed, layer_number, self.rng,
+                                                           recompute_core=self.recompute == "selective",
+                                                           rotary=rotary, block_masks=block_masks)
         self.ln2 = NORMS[config.norm](config)
         if config.moe is not None and config.moe.is_sparse(layer_number):
             self.mlp = MoEMLP(MoEBlock(config.moe, config.hidden_size, ctx, seed=seed, layer_number=layer_number,
@@ -304,10 +307,11 @@ FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
 
 def shared_rotary(config: ModelConfig) -> RotaryEmbedding | None:
     """The one RoPE of a model's blocks (a RoPE config; None otherwise): each stage's blocks then rotate with the same
-    cos and sin table, made by the first block of each micro-batch (model/layers.py RotaryEmbedding)."""
+    cos and sin table, made by the first block of each micro-batch (model/layers.py RotaryEmbedding), rotary_dim wide
+    (head_dim, or MLA's qk_rope_head_dim)."""
     if config.position_embedding != "rope":
         return None
-    return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+    return RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
 
 def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> list:

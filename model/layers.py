@@ -330,13 +330,14 @@ def rope_attention_scaling(scaling: dict | None) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = scaling["factor"]
-
-    def mscale(value: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
-
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return float(mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]))
-    return mscale()
+        return float(yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 mscale ln(factor) + 1 (1 at factor <= 1): transformers' yarn_get_mscale, eq. 21 of Peng et al."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype,

@@ -21,6 +21,7 @@ import torch
 
 from common import deepspeed_internals as ds_internals
 from model.config import PRESETS, ModelConfig, preset, stages_per_rank
+from model.flops import attention_weights
 from model.parallel import ParallelContext
 
 
@@ -70,11 +71,30 @@ def attention_and_norm_parameters(config: ModelConfig, tensor_parallel_size: int
     """What every block has, dense or sparse: its two norms, the attention and its qk norms (dense_block_parameters)."""
     h, tp, d = config.hidden_size, tensor_parallel_size, config.head_dim
     norms = 2 * _norm_parameters(config)
+    if config.attention_type == "mla":
+        return norms + _latent_attention_parameters(config, tp)
     if config.qk_layernorm:
         norms += 2 * (2 * d if config.norm == "layernorm" else d)
     qkv = (h * config.qkv_size + (config.qkv_size if config.qkv_has_bias else 0)) // tp
     attention_out = h * config.num_attention_heads * d // tp + (h if config.other_linears_have_bias else 0)
     return norms + qkv + attention_out
+
+
+def _latent_attention_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """MLA's tensors (model/mla.py) on one TP rank, nh heads, d_qk = d_n + d_r: replicated q_a_proj h r_q, its norm r_q,
+    kv_a_proj_with_mqa h (r_kv + d_r), its norm r_kv (+ the two projections' biases with bias "all"); split over TP
+    q_b_proj r_q nh d_qk (or q_proj h nh d_qk), kv_b_proj r_kv nh (d_n + d_v), the output nh d_v h (+ h bias)."""
+    h, tp, heads = config.hidden_size, tensor_parallel_size, config.num_attention_heads
+    bias, q_lora, kv_lora = config.other_linears_have_bias, config.q_lora_rank, config.kv_lora_rank
+    q_width = heads * config.head_dim
+    if q_lora is None:
+        queries = h * q_width // tp
+    else:
+        queries = h * q_lora + (q_lora if bias else 0) + q_lora + q_lora * q_width // tp
+    kv_down = kv_lora + config.qk_rope_head_dim
+    keys_values = h * kv_down + (kv_down if bias else 0) + kv_lora
+    keys_values += kv_lora * heads * (config.qk_nope_head_dim + config.v_head_dim) // tp
+    return queries + keys_values + config.attention_size * h // tp + (h if bias else 0)
 
 
 def _sparse_block_parameters(config: ModelConfig, routed_experts: int) -> int:
@@ -210,8 +230,13 @@ def tokenizer_vocabulary_active(config: ModelConfig) -> int:
 
 def block_matrices_line(config: ModelConfig) -> str:
     """The blocks' matrix weights in closed form: 12 l h^2 for the GPT shape (multi-head, GeLU MLP of 4h), else the
-    Llama form l (2 h^2 + 2 h g d + 3 h f) (query and output h^2 each, key and value h g d each, SwiGLU 3 h f)."""
+    Llama form l (2 h^2 + 2 h g d + 3 h f) (query and output h^2 each, key and value h g d each, SwiGLU 3 h f); MLA's
+    attention as model/flops.py attention_weights counts it."""
     h, layers, f = config.hidden_size, config.num_layers, config.ffn_hidden_size
+    if config.attention_type == "mla":
+        mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+        return (f"transformer blocks' matrices l (MLA's latent projections + {'3' if config.mlp == 'swiglu' else '2'}"
+                f" h f) = {layers * (attention_weights(config) + mlp):,}")
     gpt_shape = config.mlp == "gelu" and f == 4 * h and config.num_key_value_heads == config.num_attention_heads
     if gpt_shape and config.attention_size == h:
         return f"transformer blocks' matrices 12 l h^2 = {12 * layers * h * h:,}"

@@ -6,8 +6,8 @@ the fix, before any process group or tensor exists.
     module                      holds
     model/config/model.py       ModelConfig (``model``): the shape, the block's pieces, precision, recompute; its
                                 derived sizes; preset() and the renamed fields of earlier versions
-    model/config/attention.py   the attention's fields: heads, key/value groups, head_dim, the document-mask kernel,
-                                q/k norms
+    model/config/attention.py   the attention's fields: which attention (multi-head or latent: MLA's ranks and head
+                                widths), heads, key/value groups, head_dim, the document-mask kernel, q/k norms
     model/config/positions.py   learned positions or RoPE: rope_theta, rope_scaling (llama3, YaRN)
     model/config/moe.py         MoEConfig (``model.moe``) and the expert-parallel checks
     model/config/parallel.py    ParallelConfig (``parallelism``), the pipeline schedules, the model against a layout
@@ -18,7 +18,7 @@ names here.
 """
 
 from common.dtypes import PRECISIONS
-from model.config.attention import ATTENTION_BACKENDS
+from model.config.attention import ATTENTION_BACKENDS, ATTENTION_TYPES
 from model.config.checks import set_option
 from model.config.model import (
     ACTIVATIONS,
@@ -42,7 +42,8 @@ from model.config.positions import (
 )
 from model.presets import PRESETS
 
-__all__ = ["ACTIVATIONS", "ATTENTION_BACKENDS", "BIASES", "GPT2_VOCAB_SIZE", "LLAMA3_SCALING_KEYS", "MLPS", "NORMS",
-           "PIPELINE_SCHEDULES", "POSITION_EMBEDDINGS", "PRECISIONS", "PRESETS", "RECOMPUTE", "ROPE_SCALING_TYPES",
-           "ROUTERS", "SCALING_KEYS", "YARN_OPTIONAL_KEYS", "ModelConfig", "MoEConfig", "ParallelConfig",
-           "check_expert_parallel", "preset", "set_option", "stages_per_rank", "upgrade_model_fields"]
+__all__ = ["ACTIVATIONS", "ATTENTION_BACKENDS", "ATTENTION_TYPES", "BIASES", "GPT2_VOCAB_SIZE",
+           "LLAMA3_SCALING_KEYS", "MLPS", "NORMS", "PIPELINE_SCHEDULES", "POSITION_EMBEDDINGS", "PRECISIONS", "PRESETS",
+           "RECOMPUTE", "ROPE_SCALING_TYPES", "ROUTERS", "SCALING_KEYS", "YARN_OPTIONAL_KEYS", "ModelConfig",
+           "MoEConfig", "ParallelConfig", "check_expert_parallel", "preset", "set_option", "stages_per_rank",
+           "upgrade_model_fields"]

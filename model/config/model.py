@@ -109,6 +109,29 @@ class ModelConfig:
     """A norm on each query and key head before the dot product (and before RoPE), of width head_dim, its weights
     shared by the heads: "layernorm" or "rmsnorm" following ``norm`` (Qwen3's q_norm / k_norm; Wortsman et al. 2023:
     it bounds the attention logits, |q.k| / sqrt(d) <= sqrt(d) with unit gains)."""
+    attention_type: str = "mha"
+    """The block's attention: "mha" (multi-head: one column-parallel QKV projection, num_key_value_heads groups of
+    head_dim; model/attention.py) or "mla" (multi-head latent attention, DeepSeek-V2/V3's and Kimi-K2's; model/mla.py):
+    queries and keys/values projected through low-rank latents (the fields below, transformers' DeepseekV3Config
+    names), RoPE on a qk_rope_head_dim part of each head, the key's one part shared by all heads. Under "mla"
+    num_key_value_heads is the heads and head_dim qk_nope_head_dim + qk_rope_head_dim (both resolved so); it needs
+    position_embedding "rope" and refuses, until they are built, qk_layernorm, bias "qkv", context parallelism, a KV
+    cache (generation) and Hugging Face conversion."""
+    q_lora_rank: int | None = None
+    """MLA: width of the query latent, h -> q_lora_rank (q_a_proj, replicated) -> RMSNorm -> heads x (qk_nope_head_dim
+    + qk_rope_head_dim) (q_b_proj, column-parallel); null: one q_proj h -> heads x (qk_nope_head_dim +
+    qk_rope_head_dim) (DeepSeek-V2-Lite). DeepSeek-V3: 1536."""
+    kv_lora_rank: int | None = None
+    """MLA: width of the key/value latent every head's key and value are expanded from (kv_b_proj); DeepSeek-V3: 512."""
+    qk_nope_head_dim: int | None = None
+    """MLA: the part of each query and key head without RoPE; DeepSeek-V3: 128."""
+    qk_rope_head_dim: int | None = None
+    """MLA: the rotated part of each query head, and of the one key head all heads share (even); DeepSeek-V3: 64."""
+    v_head_dim: int | None = None
+    """MLA: width of each value head (the output projection reads heads x v_head_dim); DeepSeek-V3: 128."""
+    rope_interleave: bool | None = None
+    """MLA: RoPE rotates the pairs (x0, x1), (x2, x3), .. of the rope part (DeepSeek's layout; null: true, as
+    DeepseekV3Config) rather than (x_i, x_{i + d/2}) (Llama's rotate_half, false)."""
     moe: MoEConfig | None = None
     """None: every block has the dense MLP. Else the experts of the sparse blocks (MoEConfig: which blocks, how many
     experts of what width, the router), in JSON an object of its fields; the other blocks keep the dense MLP of
@@ -171,8 +194,14 @@ class ModelConfig:
 
     @property
     def attention_size(self) -> int:
-        """Width of the attention's output before its projection, heads x head_dim (h unless head_dim is free)."""
-        return self.num_attention_heads * self.head_dim
+        """Width of the attention's output before its projection, heads x head_dim (h unless head_dim is free);
+        heads x v_head_dim under MLA."""
+        return self.num_attention_heads * (self.v_head_dim if self.attention_type == "mla" else self.head_dim)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head that RoPE rotates: head_dim, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.attention_type == "mla" else self.head_dim
 
     @property
     def queries_per_key_value_head(self) -> int:
@@ -181,7 +210,11 @@ class ModelConfig:
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused QKV projection: (query heads + 2 key/value heads) x head_dim (3h for multi-head)."""
+        """Rows of the fused QKV projection: (query heads + 2 key/value heads) x head_dim (3h for multi-head). MLA has
+        no fused projection: there, the widths of the q, k and v the core reads per token, heads x (2 head_dim +
+        v_head_dim) (what estimates of the stored activations read)."""
+        if self.attention_type == "mla":
+            return self.num_attention_heads * (2 * self.head_dim + self.v_head_dim)
         return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
 
     @property

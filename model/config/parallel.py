@@ -144,6 +144,10 @@ def _check_context_parallel(model: Any, tp: int, cp: int, sequence_parallel: boo
     require(is_positive_int(cp), f"parallelism.context_parallel_size must be a positive integer, got {cp!r}")
     if cp == 1:
         return
+    require(model.attention_type != "mla",
+            f"parallelism.context_parallel_size {cp} with model.attention_type \"mla\" is not built (Ulysses' "
+            f"all-to-all of MLA's q, k and v, whose widths differ, and of its shared rope key): set "
+            f"context_parallel_size to 1, or use attention_type \"mha\"")
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(model, name)
         require(heads // tp % cp == 0,

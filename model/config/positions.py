@@ -22,8 +22,8 @@ def check_positions(config: Any) -> None:
     require(config.position_embedding in POSITION_EMBEDDINGS,
             f"model.position_embedding must be one of {POSITION_EMBEDDINGS}, got {config.position_embedding!r}")
     require(config.rope_theta > 0, f"model.rope_theta must be positive, got {config.rope_theta}")
-    if config.position_embedding == "rope":
-        require(config.head_dim % 2 == 0,
+    if config.position_embedding == "rope":  # MLA's rope part is checked with its fields (model/config/attention.py)
+        require(config.rotary_dim % 2 == 0,
                 f"model.position_embedding \"rope\" needs an even head dimension, got model.head_dim = "
                 f"{config.head_dim}: choose another head count or head_dim")
     if config.rope_scaling is not None:
