@@ -3,6 +3,7 @@ recipe's run config and its parameter counts (the planner tests)."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from runconfig.run import RunConfig, load_run_config
 from tests.launch import preprocess_corpus, run_training
 
 RECIPE = Path(__file__).resolve().parents[1] / "ds_configs" / "530b.json"
+
+
+def pytest_collection_finish(session) -> None:
+    """The modules every test imported live as long as the session: frozen out of the collector's sight, so that a
+    test's gc.collect() (the memory measurements) walks what the tests made, not torch's and DeepSpeed's objects."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
