@@ -51,6 +51,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # -- part 1: the stall of a save, --ranks ranks -----------------------------------------------------------------------
 def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: int) -> dict:
+    import torch
     import torch.distributed as dist
 
     from runconfig.run import parse_run_config
@@ -71,7 +72,7 @@ def measure_stall(directory: str, hidden: int, layers: int, saves: int, ranks: i
         engine.train_batch(data_iter=micro_batches(next(counter), 64, 0, 1))
         return time.perf_counter() - start
 
-    results: dict = {"ranks": ranks}
+    results: dict = {"ranks": ranks, "threads": torch.get_num_threads()}
     for mode in ("sync", "async"):
         save_dir = Path(directory) / mode
         checkpointer = Checkpointer(engine, save_dir, mode)
@@ -133,6 +134,16 @@ def report_stall(results: dict, saves: int) -> None:
     cpu = {mode: {name: row["writer_cpu"] for name, row in rows[mode].items()} for mode in rows}
     print("the writer process's CPU seconds per save (user + system): " + "; ".join(
         f"{mode} {name} {seconds:.2f} s" for mode in cpu for name, seconds in cpu[mode].items()))
+    # The writer's CPU comes out of the training only where the training leaves no core free: then each of its CPU
+    # seconds is one core-second of the training's busy cores, and the steps lose it spread over those cores.
+    cores, threads = os.cpu_count() or 1, results["threads"] * ranks
+    competing = max(0, min(1, threads + 1 - cores))  # 0: a core is free for the writer
+    for name, row in rows["async"].items():
+        taken = row["writer_cpu"] * competing / min(threads, cores)
+        rest = (row["stall"] - taken) / rows["sync"][name]["stall"]
+        print(f"async {name} saves: the training runs {results['threads']} thread(s) x {ranks} rank(s) on {cores} "
+              f"cores, {'no core' if competing else 'a core'} free for the writer: its CPU takes {taken:.2f} s of the "
+              f"steps; stopped + slowed less that, async / sync: {rest:.3f}")
 
 
 # -- part 2: the loop while the writer writes, one process ----------------------------------------------------------
