@@ -224,7 +224,7 @@ class WriterProcess:
 
         raise_open_file_limit()
         self.method = method
-        """"fork" (at start-up, fork_early) or "spawn"."""
+        """How the writer started: "fork" (at start-up, fork_early) or "spawn"."""
         context = multiprocessing.get_context(method)
         self.connection, child = context.Pipe()
         # daemon: an interpreter that exits without cleanup() terminates it; a killed one is watched (_exit_with)
