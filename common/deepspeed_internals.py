@@ -53,6 +53,8 @@ engine's ``__class__``, and an edit of ``sys.modules``.
     pipe_data_model_topology      deepspeed.runtime.pipe.topology.                   the TP groups on DeepSpeed's own rank layout    model/parallel.py
                                     PipeModelDataParallelTopology
     partition_balanced            deepspeed.runtime.utils.partition_balanced         the stage boundaries DeepSpeed will cut         model/summary.py
+    with_partition                PipelineModule._partition_layers (overridden),     model.mtp's depths and the head on the last     model/gpt.py
+                                    parts, _set_bounds                                 stage, the depths weighed as blocks
     stage_layer_indices,          PipelineModule._local_start, _local_stop,          the layers of this rank's stage, by index       evaluation/loading.py
       stage_layer, tied_module      _modules (torch's), tied_modules
     stage_forward_functions       PipelineModule.forward_funcs                       the stage's layers in the order it runs them    evaluation/loading.py,
@@ -314,6 +316,19 @@ def partition_balanced(weights: list[int], parts: int) -> list[int]:
     from deepspeed.runtime.utils import partition_balanced as balanced
 
     return balanced(weights=weights, num_parts=parts)
+
+
+def with_partition(base: type, adjust: Callable[[list[int], str], list[int]], stage: int) -> type:
+    """A subclass of ``base`` (PipelineModule or DualPipeVModule) whose stage boundaries are ``adjust(parts,
+    method)`` of those DeepSpeed cuts, set before it builds this ``stage``'s layers and indexes the tied ones."""
+
+    class AdjustedPartition(base):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            super()._partition_layers(method)
+            self.parts = list(adjust(list(self.parts), method))
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return AdjustedPartition
 
 
 def stage_layer_indices(module: Any) -> range:

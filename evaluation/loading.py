@@ -20,6 +20,8 @@ stage, as in training (model/moe.py keep_router_biases_fp32), so that the expert
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 
@@ -79,7 +81,7 @@ def load_stage(checkpoint_dir: str | Path, tag: str | None = None, parallel: Par
     """This rank's stage of the checkpoint's model at ``parallel`` (default: the checkpoint's TP x PP), its weights
     loaded, in eval mode, in ``dtype`` (default: the training precision). Collective: every rank calls it."""
     checkpoint = open_checkpoint(checkpoint_dir, tag)
-    model = checkpoint.model
+    model = dataclasses.replace(checkpoint.model, mtp=None)  # the next-token model: model.mtp's depths train only
     parallel = parallel or ParallelConfig(checkpoint.parallel.tensor_parallel_size,
                                           checkpoint.parallel.pipeline_parallel_size)
     parallel = ParallelConfig(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,

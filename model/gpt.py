@@ -75,11 +75,27 @@ from model.layers import (
 from model.loss import GPTLoss, gpt_loss
 from model.mla import MultiHeadLatentAttention
 from model.moe import MoEBlock, MoEMLP, sparse_layers
+from model.mtp import MultiTokenPrediction, head_logits, token_embeddings
 from model.parallel import ParallelContext
 from model.random import RNGStream, checkpoint, tensor_parallel_stream_seed
 
-Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""What a block takes and gives: the hidden state, or (hidden, position_ids, segment_ids) for packed samples."""
+Hidden = torch.Tensor | tuple[torch.Tensor, ...]
+"""What a block takes and gives: the hidden state, or (hidden, position_ids, segment_ids) for packed samples; with
+model.mtp the tokens last: (hidden, tokens) or (hidden, position_ids, segment_ids, tokens)."""
+
+
+def unpack(x: Hidden, carries_tokens: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(hidden, the packed sample's ids or (), the tokens model.mtp carries or None)."""
+    if not isinstance(x, tuple):
+        return x, (), None
+    if carries_tokens:
+        return x[0], x[1:-1], x[-1]
+    return x[0], x[1:], None
+
+
+def pack(hidden: torch.Tensor, packed_ids: tuple[torch.Tensor, ...], tokens: torch.Tensor | None) -> Hidden:
+    carried = (*packed_ids, *(() if tokens is None else (tokens,)))
+    return (hidden, *carried) if carried else hidden
 
 EMBEDDING_LAYER = 0  # layer_number of the embeddings in seeds; blocks are 1..L, the final norm L + 1
 
@@ -96,13 +112,20 @@ class WordEmbedding(VocabParallelEmbedding):
         super().__init__(config.padded_vocab_size(ctx.tensor_parallel_size), config.hidden_size, ctx,
                          vocab_size=config.vocab_size, init_std=config.init_method_std,
                          seed=parameter_seed(seed, EMBEDDING_LAYER, "word_embeddings"))
+        self.carries_tokens = config.mtp is not None
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         tokens, *positions_and_documents = inputs  # (b, s), then (b, s) position_ids [, (b, s) segment_ids]
-        return super().forward(tokens), *positions_and_documents  # (b, s, h), ...
+        carried = (tokens,) if self.carries_tokens else ()  # for model.mtp's depths on the last stage
+        return self.embed(tokens), *positions_and_documents, *carried  # (b, s, h), ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens)  # (b, s) -> (b, s, h), or this rank's (b, s/R, h) under sequence parallelism
 
 
-def output_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def output_logits(embedding: WordEmbedding, hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    if isinstance(hidden, tuple):  # model.mtp: (normed, what its depths read), passed on
+        return embedding.logits(hidden[0]), *hidden[1:]
     return embedding.logits(hidden)  # (b, s, V/R)
 
 
@@ -115,7 +138,9 @@ class OutputHead(VocabParallelEmbedding):
                          vocab_size=config.vocab_size, init_std=config.init_method_std,
                          seed=parameter_seed(seed, EMBEDDING_LAYER, "output_head"))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if isinstance(hidden, tuple):  # model.mtp: (normed, what its depths read), passed on
+            return self.logits(hidden[0]), *hidden[1:]
         return self.logits(hidden)  # (b, s, h) replicated -> (b, s, V/R)
 
 
@@ -150,16 +175,17 @@ class PositionEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> None:
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.carries_tokens = ctx, config.mtp is not None
         self.weight = nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size))
         normal_sharded_(self.weight, config.init_method_std, parameter_seed(seed, EMBEDDING_LAYER, "position"))
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> Hidden:
-        word_embeddings, position_ids, *segments = inputs  # (b, s, h) or this rank's (b, s/R, h), (b, s) [, (b, s)]
-        positions = _sequence_shard(self.ctx, position_ids, word_embeddings.shape[1])
+        # (b, s, h) or this rank's (b, s/R, h); (b, s) position_ids [, (b, s) segment_ids] [, (b, s) tokens]
+        word_embeddings, ids, tokens = unpack(inputs, self.carries_tokens)
+        positions = _sequence_shard(self.ctx, ids[0], word_embeddings.shape[1])
         hidden = self.dropout(word_embeddings + F.embedding(positions, self.weight))  # like word_embeddings
-        return (hidden, position_ids, *segments) if segments else hidden
+        return pack(hidden, ids if len(ids) > 1 else (), tokens)  # the positions go on with a packed sample's ids
 
 
 class EmbeddingDropout(nn.Module):
@@ -168,11 +194,12 @@ class EmbeddingDropout(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, rng: RNGStream | None = None) -> None:
         super().__init__()
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, rng or RNGStream(tensor_parallel_stream_seed(seed, ctx)))
+        self.carries_tokens = config.mtp is not None
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> Hidden:
-        word_embeddings, position_ids, *segments = inputs  # RoPE acts in attention (the module docstring)
+        word_embeddings, ids, tokens = unpack(inputs, self.carries_tokens)  # RoPE acts in attention (module docstring)
         hidden = self.dropout(word_embeddings)  # (b, s, h)
-        return (hidden, position_ids, *segments) if segments else hidden
+        return pack(hidden, ids if len(ids) > 1 else (), tokens)
 
 
 POSITION_LAYERS = {"learned": PositionEmbedding, "rope": EmbeddingDropout}
@@ -246,9 +273,10 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
                  rng: RNGStream | None = None, rotary: RotaryEmbedding | None = None,
-                 block_masks: BlockMasks | None = None) -> None:
+                 block_masks: BlockMasks | None = None, carries_tokens: bool | None = None) -> None:
         super().__init__()
         self.layer_number = layer_number
+        self.carries_tokens = config.mtp is not None if carries_tokens is None else carries_tokens
         self.rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
         self.recompute = config.recompute_at(layer_number, ctx.pipeline_parallel_size)
         self.ln1 = NORMS[config.norm](config)
@@ -266,13 +294,14 @@ class TransformerLayer(nn.Module):
         self.dropout = HiddenDropout(config.hidden_dropout, ctx, self.rng)
 
     def forward(self, x: Hidden) -> Hidden:
-        """The hidden state alone, or with a packed sample's (position_ids, segment_ids), passed on untouched."""
-        hidden, packed_ids = (x[0], x[1:]) if isinstance(x, tuple) else (x, ())  # () or (position_ids, segment_ids)
+        """The hidden state alone, or with a packed sample's (position_ids, segment_ids) and model.mtp's tokens,
+        passed on untouched."""
+        hidden, packed_ids, tokens = unpack(x, self.carries_tokens)  # () or (position_ids, segment_ids)
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             hidden = checkpoint(self.rng, self.block, hidden, *packed_ids)
         else:
             hidden = self.block(hidden, *packed_ids)
-        return (hidden, *packed_ids) if packed_ids else hidden
+        return pack(hidden, packed_ids, tokens)
 
     def block(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,22 +313,26 @@ class TransformerLayer(nn.Module):
         return f"recompute={self.recompute}"
 
 
-class FinalLayerNorm(nn.LayerNorm):
-    """The last norm: where a packed sample's positions and documents end (the head sees the hidden state alone)."""
+class FinalNorm:
+    """The last norm: where a packed sample's positions and documents end (the head sees the hidden state alone).
+    With model.mtp it keeps what the depths read: (normed, hidden, *ids, tokens) (model/mtp.py)."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+        self.carries_tokens = config.mtp is not None
 
-    def forward(self, x: Hidden) -> torch.Tensor:
+    def forward(self, x: Hidden) -> Hidden:
+        if self.carries_tokens:
+            return super().forward(x[0]), *x
         return super().forward(x[0] if isinstance(x, tuple) else x)
 
 
-class FinalRMSNorm(RMSNorm):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int) -> None:
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+class FinalLayerNorm(FinalNorm, nn.LayerNorm):
+    pass
 
-    def forward(self, x: Hidden) -> torch.Tensor:
-        return super().forward(x[0] if isinstance(x, tuple) else x)
+
+class FinalRMSNorm(FinalNorm, RMSNorm):
+    pass
 
 
 FINAL_NORMS = {"layernorm": FinalLayerNorm, "rmsnorm": FinalRMSNorm}
@@ -323,13 +356,17 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
 
     rng = rng or RNGStream(tensor_parallel_stream_seed(seed, ctx))
     rotary, block_masks = shared_rotary(config), BlockMasks()
+    embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed, tied_weight_attr="weight")
     if config.tie_word_embeddings:
-        embedding = partial(TiedLayerSpec, "word_embeddings", WordEmbedding, config, ctx, seed,
-                            tied_weight_attr="weight")
         first, head = embedding(), embedding(forward_fn=output_logits)  # the first is a module: saved as layer_00
+        shared_head = partial(embedding, forward_fn=head_logits)
+    elif config.mtp is not None:  # the last stage embeds tokens too, and the depths share the head
+        first, output_head = embedding(), partial(TiedLayerSpec, "output_head", OutputHead, config, ctx, seed,
+                                                  tied_weight_attr="weight")
+        head, shared_head = output_head(), partial(output_head, forward_fn=head_logits)
     else:
         first, head = LayerSpec(WordEmbedding, config, ctx, seed), LayerSpec(OutputHead, config, ctx, seed)
-    return [
+    layers = [
         first,
         LayerSpec(POSITION_LAYERS[config.position_embedding], config, ctx, seed, rng),
         *[LayerSpec(TransformerLayer, config, ctx, seed, n, rng, rotary, block_masks)
@@ -337,6 +374,34 @@ def gpt_layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, rng: R
         LayerSpec(FINAL_NORMS[config.norm], config, ctx, seed),
         head,
     ]
+    if config.mtp is not None:  # model/mtp.py: L + 4 .. L + 6, on the last stage (GPTPipelineModule's partition)
+        def block(number: int) -> TransformerLayer:
+            return TransformerLayer(config, ctx, seed, number, rng, rotary, block_masks, carries_tokens=False)
+
+        layers += [embedding(forward_fn=partial(token_embeddings, depth=config.mtp.depth)),
+                   LayerSpec(MultiTokenPrediction, config, seed, block, partial(NORMS[config.norm], config)),
+                   shared_head()]
+    return layers
+
+
+def partition_weights(config: ModelConfig) -> list[int]:
+    """The cost of each layer of gpt_layer_specs in blocks, as the pipeline's partition balances them (DeepSpeed's
+    'type:TransformerLayer' method, plus model.mtp's D blocks)."""
+    weights = [0, 0] + [1] * config.num_layers + [0, 0]
+    if config.mtp is not None:
+        weights += [0, config.mtp.depth, 0]
+    return weights
+
+
+def mtp_partition(config: ModelConfig, parts: list[int], method: str) -> list[int]:
+    """The stage boundaries of a model.mtp pipeline, from those DeepSpeed cut by ``method``: under the default
+    'type:TransformerLayer' balanced with the depths as D blocks (``partition_weights``); then the final norm, the
+    head and the depths on the last stage (a boundary after the last block, where a balance that sees no cost in
+    them may put it, moves before the final norm)."""
+    if method.lower() == "type:transformerlayer":
+        parts = ds_internals.partition_balanced(partition_weights(config), len(parts) - 1)
+    final_norm = config.num_layers + 2
+    return [*parts[:-2], min(parts[-2], final_norm), parts[-1]]
 
 
 def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, partition_method: str,
@@ -362,6 +427,8 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
     from deepspeed.pipe import DualPipeVModule, PipelineModule
 
     base = DualPipeVModule if pipeline_schedule == "dualpipev" else PipelineModule
+    if config.mtp is not None:
+        base = ds_internals.with_partition(base, partial(mtp_partition, config), ctx.pipeline_parallel_rank)
 
     class GPTPipelineModule(base):
         def get_tied_weights_and_groups(self):
@@ -374,7 +441,7 @@ def build_pipeline_model(config: ModelConfig, ctx: ParallelContext, seed: int, p
     config.check_parallel(ctx.tensor_parallel_size, ctx.pipeline_parallel_size, ctx.sequence_parallel,
                           stages_per_rank(pipeline_schedule))
     rng = RNGStream(tensor_parallel_stream_seed(seed, ctx))
-    objective = GPTLoss(ctx, z_loss)
+    objective = GPTLoss(ctx, z_loss, config.mtp)
     module = GPTPipelineModule(
         layers=gpt_layer_specs(config, ctx, seed, rng),
         topology=ctx.topology,
@@ -408,18 +475,30 @@ class GPT(nn.Module):
                                                      block_masks) for n in range(1, config.num_layers + 1))
         self.final_norm = FINAL_NORMS[config.norm](config, self.ctx, seed)
         self.output_head = None if config.tie_word_embeddings else OutputHead(config, self.ctx, seed)
+        self.mtp = None
+        if config.mtp is not None:
+            def block(number: int) -> TransformerLayer:
+                return TransformerLayer(config, self.ctx, seed, number, self.tensor_parallel_rng, rotary, block_masks,
+                                        carries_tokens=False)
+
+            self.mtp = MultiTokenPrediction(config, seed, block, partial(NORMS[config.norm], config))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``segment_ids`` (b, s): the documents of packed samples (module docstring), or None: one sequence."""
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``segment_ids`` (b, s): the documents of packed samples (module docstring), or None: one sequence.
+        Logits (b, s, V/R); with model.mtp (logits, the depths' logits (D b, s, V/R)), as the pipeline's last stage
+        gives them to the loss."""
         segments = () if segment_ids is None else (segment_ids,)
         hidden = self.position_embedding(self.word_embeddings((tokens, position_ids, *segments)))
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_norm(hidden)
-        if self.output_head is None:
-            return output_logits(self.word_embeddings, hidden)  # (b, s, V/R)
-        return self.output_head(hidden)  # (b, s, V/R)
+        head = self.word_embeddings if self.output_head is None else self.output_head
+        logits = output_logits(head, hidden)  # (b, s, V/R): the tied or the untied head's
+        if self.mtp is None:
+            return logits
+        embedded = token_embeddings(self.word_embeddings, logits, len(self.mtp.depths))
+        return head_logits(head, self.mtp(embedded))
 
     def loss(self, tokens, position_ids, labels, loss_mask, *, segment_ids=None) -> torch.Tensor:
         return gpt_loss(self.ctx, self(tokens, position_ids, segment_ids), (labels, loss_mask))

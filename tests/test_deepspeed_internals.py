@@ -284,6 +284,29 @@ def test_partition_balanced_cuts_as_pipeline_module_does():
     assert door.partition_balanced([0, 0, 1, 1, 1, 0, 0], 3) == [0, 3, 4, 7]
 
 
+def test_with_partition_adjusts_the_bounds_before_the_stage_is_built():
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    init = source_of(PipelineModule.__init__)
+    partitioned, built = init.find("self._partition_layers(method=partition_method)"), init.find("self._build()")
+    require(0 <= partitioned < built, "PipelineModule.__init__",
+            "no longer partitions (_partition_layers) before it builds the stage (_build)")
+    require("self.parts[stage_id]" in source_of(PipelineModule._partition_layers), "PipelineModule.parts",
+            "no longer holds the stage boundaries")
+    require("self._local_start = start" in source_of(PipelineModule._set_bounds), "PipelineModule._set_bounds",
+            "no longer sets _local_start")
+
+    class Cut(PipelineModule):  # stands for DeepSpeed's cut: stage 1 of 2 over 6 layers
+        def _partition_layers(self, method="uniform"):
+            self.parts = [0, 4, 6]
+            self._set_bounds(start=4, stop=6)
+
+    adjusted_class = door.with_partition(Cut, lambda parts, method: [0, 3, parts[-1]], stage=1)
+    adjusted = adjusted_class.__new__(adjusted_class)  # the partition alone, no process group
+    adjusted._partition_layers("type:TransformerLayer")
+    assert adjusted.parts == [0, 3, 6] and (adjusted._local_start, adjusted._local_stop) == (3, 6)
+
+
 def test_stage_layers_as_pipeline_module_builds_them():
     from deepspeed.runtime.pipe.module import PipelineModule
 

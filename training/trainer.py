@@ -221,6 +221,9 @@ class Trainer:
         self.stability.before_step(self.state.step + 1)
         self.profiler.before_step(self.state.step + 1)
         data, objective = loader, self.engine.module.objective
+        if self.config.model.mtp is not None:  # lambda from its schedule; the record holds this step only
+            objective.mtp_weight = self.config.model.mtp.weight_at(self.state.consumed_tokens)
+            objective.take_mtp()
         if self.config.training.loss_normalization == "tokens":  # the step's target count first (collective over DP)
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
             set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size)
@@ -368,9 +371,19 @@ class Trainer:
             record["objective"], record["loss"] = loss, loss - stability["z_loss"]  # the loss stays the cross-entropy
         record.update(stability)
         record.update(self.moe.take())  # collective when the model has experts: every rank, every logged step
+        record.update(self._multi_token_prediction(loss))  # collective with model.mtp
         if self.plan_check is not None:  # the plan at the window's own batches, and measured / planned
             record.update(self.plan_check.compare(throughput["batches"], throughput["seconds"], record))
         self.logger.log("train", record)
+
+    def _multi_token_prediction(self, loss: float) -> dict[str, Any]:
+        """model.mtp's fields of a logged step (collective): ``loss`` the next-token cross-entropy, ``mtp_loss``
+        each depth's, ``mtp_weight`` lambda, ``objective`` what the step minimised (model/loss.py)."""
+        if self.config.model.mtp is None:
+            return {}
+        objective = self.engine.module.objective
+        losses = objective.mtp_losses(accelerator_device())
+        return {"objective": loss, **losses, "mtp_weight": objective.mtp_weight} if losses else {}
 
     def evaluate(self) -> float | None:
         if not self.make_valid_loader or not self.config.training.eval_iters:

@@ -10,6 +10,7 @@ the fix, before any process group or tensor exists.
                                 widths), heads, key/value groups, head_dim, the document-mask kernel, q/k norms
     model/config/positions.py   learned positions or RoPE: rope_theta, rope_scaling (llama3, YaRN)
     model/config/moe.py         MoEConfig (``model.moe``) and the expert-parallel checks
+    model/config/mtp.py         MTPConfig (``model.mtp``): multi-token prediction's depth and loss weight
     model/config/parallel.py    ParallelConfig (``parallelism``), the pipeline schedules, the model against a layout
     model/config/checks.py      require(), set_option(): how every check names the field and the fix
 
@@ -32,6 +33,7 @@ from model.config.model import (
     upgrade_model_fields,
 )
 from model.config.moe import ROUTERS, MoEConfig, check_expert_parallel
+from model.config.mtp import MTPConfig
 from model.config.parallel import PIPELINE_SCHEDULES, ParallelConfig, stages_per_rank
 from model.config.positions import (
     LLAMA3_SCALING_KEYS,
@@ -45,5 +47,5 @@ from model.presets import PRESETS
 __all__ = ["ACTIVATIONS", "ATTENTION_BACKENDS", "ATTENTION_TYPES", "BIASES", "GPT2_VOCAB_SIZE",
            "LLAMA3_SCALING_KEYS", "MLPS", "NORMS", "PIPELINE_SCHEDULES", "POSITION_EMBEDDINGS", "PRECISIONS", "PRESETS",
            "RECOMPUTE", "ROPE_SCALING_TYPES", "ROUTERS", "SCALING_KEYS", "YARN_OPTIONAL_KEYS", "ModelConfig",
-           "MoEConfig", "ParallelConfig", "check_expert_parallel", "preset", "set_option", "stages_per_rank",
+           "MoEConfig", "MTPConfig", "ParallelConfig", "check_expert_parallel", "preset", "set_option", "stages_per_rank",
            "upgrade_model_fields"]

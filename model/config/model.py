@@ -12,6 +12,7 @@ from common.dtypes import PRECISIONS
 from model.config.attention import resolve_attention
 from model.config.checks import require
 from model.config.moe import MoEConfig
+from model.config.mtp import MTPConfig
 from model.config.parallel import check_layout
 from model.config.positions import check_positions
 from model.presets import PRESETS
@@ -136,6 +137,9 @@ class ModelConfig:
     """None: every block has the dense MLP. Else the experts of the sparse blocks (MoEConfig: which blocks, how many
     experts of what width, the router), in JSON an object of its fields; the other blocks keep the dense MLP of
     ffn_hidden_size. Needs mlp "swiglu": the experts are SwiGLU MLPs (Mixtral's, Qwen-MoE's)."""
+    mtp: MTPConfig | None = None
+    """None: the next token only. Else DeepSeek-V3's multi-token prediction (MTPConfig: depth D, loss weight and its
+    schedule in tokens), in JSON an object of its fields: D modules on the last pipeline stage (model/mtp.py)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -186,6 +190,8 @@ class ModelConfig:
         require(isinstance(self.tie_word_embeddings, bool),
                 f"model.tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         check_positions(self)
+        if self.mtp is not None:
+            self.mtp = MTPConfig.from_dict(self.mtp)
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             require(self.mlp == "swiglu",

@@ -126,6 +126,7 @@ def check_layout(model: Any, tensor_parallel_size: int, pipeline_parallel_size: 
             f"and one on the way back: use at least 2 blocks per rank (a pipeline-parallel size of at most "
             f"{model.num_layers // 2} that divides the layers: {[d for d in divisors if 2 * d <= model.num_layers]})")
     _check_context_parallel(model, tp, context_parallel_size, sequence_parallel)
+    _check_multi_token_prediction(model, stages_per_rank, context_parallel_size)
     if sequence_parallel:
         require(model.seq_length % tp == 0,
                 f"model.seq_length ({model.seq_length}) is not divisible by parallelism.tensor_parallel_size "
@@ -160,6 +161,20 @@ def _check_context_parallel(model: Any, tp: int, cp: int, sequence_parallel: boo
             f"model.seq_length ({model.seq_length}) is not divisible by parallelism.context_parallel_size ({cp})"
             + (f" x tensor_parallel_size ({tp}) under sequence_parallel" if sequence_parallel and tp > 1 else "")
             + f" = {positions}: each rank holds seq_length / {positions} positions; use a multiple of {positions}")
+
+
+def _check_multi_token_prediction(model: Any, stages_per_rank: int, cp: int) -> None:
+    """model.mtp's modules sit on the last 1F1B stage beside the head (model/mtp.py); each depth reads the tokens
+    k positions ahead of its own, which a CP rank's slice does not hold."""
+    if model.mtp is None:
+        return
+    require(stages_per_rank == 1,
+            "model.mtp under parallelism.pipeline_schedule \"dualpipev\" is not built (its modules would sit on rank "
+            "0's returning stage): use pipeline_schedule \"1f1b\", or remove model.mtp")
+    require(cp == 1,
+            f"model.mtp with parallelism.context_parallel_size {cp} is not built (depth k embeds the token k "
+            f"positions ahead, on the next CP rank's slice at the slice's end): set context_parallel_size to 1, or "
+            f"remove model.mtp")
 
 
 def _check_experts(model: Any, tensor_parallel_size: int, expert_parallel_size: int, sequence_parallel: bool = False,
