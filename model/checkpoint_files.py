@@ -101,6 +101,10 @@ def rank_state_file(tag_directory: Path, rank: int) -> Path:
     return Path(tag_directory) / f"rank_state_{rank}.pt"
 
 
+BLOCK_PREFIX = r"\d+\.(depths\.\d+\.block\.)?"
+"""The DeepSpeed names of a block's parameters start so: its layer index, or model.mtp's layer index and depth."""
+
+
 def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     """How DeepSpeed's universal-checkpoint converter merges this model's TP slices, by parameter name.
 
@@ -114,13 +118,21 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
     stacks the rank's gate and up rows, so it is merged as two sub-parameters. The vocabulary padding is cut off and
     re-added for the new TP. MLA (model/mla.py): its down-projections and their norms are replicated; q_b_proj (or
     q_proj) and kv_b_proj hold whole heads per rank (concatenated), its output projection is ``dense``.
+    model.mtp (model/mtp.py): layer L + 5 holds ``depths.{k}.block.`` (a block, named as the others after that
+    prefix: ``BLOCK_PREFIX``) and the replicated enorm, hnorm, eh_proj and final_norm; the last stage's copy of the
+    embedding and an untied head are tied modules (``tied_modules.output_head.weight``).
     """
     from deepspeed.checkpoint import constants as uc
 
-    block = r"\d+\."
+    block = BLOCK_PREFIX
     last = config.num_layers + 3
-    vocabulary = ([r"tied_modules\.word_embeddings\.weight$"] if config.tie_word_embeddings
-                  else [r"0\.weight$", rf"{last}\.weight$"])
+    embedding = r"tied_modules\.word_embeddings\.weight$"
+    if config.tie_word_embeddings:
+        vocabulary = [embedding]
+    elif config.mtp is not None:  # model/gpt.py: the last stage's copies of the embedding and the head are tied
+        vocabulary = [embedding, r"tied_modules\.output_head\.weight$"]
+    else:
+        vocabulary = [r"0\.weight$", rf"{last}\.weight$"]
     norm_parameters = r"(weight|bias)" if config.norm == "layernorm" else r"weight"
     mlp_in, mlp_out = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
     replicated = [
@@ -132,12 +144,14 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
         *([block + r"attention\.dense\.bias$", block + rf"mlp\.{mlp_out}\.bias$"]
           if config.other_linears_have_bias else []),
         rf"{config.num_layers + 2}\.{norm_parameters}$",  # the final norm
+        *([rf"\d+\.depths\.\d+\.(enorm|hnorm|final_norm)\.{norm_parameters}$", r"\d+\.depths\.\d+\.eh_proj\.weight$"]
+          if config.mtp is not None else []),  # model/mtp.py: replicated
     ]
     info = {
         uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         uc.VOCABULARY_PARAMETER_PATTERNS: vocabulary,
         uc.ORIGINAL_VOCAB_SIZE: config.vocab_size,
-        uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS: vocabulary if config.tie_word_embeddings else [],
+        uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [embedding] if config.tie_word_embeddings or config.mtp else [],
         uc.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
         uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [block + r"attention\.dense\.weight$",
                                                      block + rf"mlp\.{mlp_out}\.weight$"],
@@ -167,7 +181,7 @@ def _add_experts(info: dict[str, Any], config: ModelConfig) -> None:
     training/universal_conversion.py merges them itself and leaves them out of its merge."""
     from deepspeed.checkpoint import constants as uc
 
-    moe, block = config.moe, r"\d+\.mlp\.block\."
+    moe, block = config.moe, BLOCK_PREFIX + r"mlp\.block\."
     if not any(moe.is_sparse(number) for number in range(1, config.num_layers + 1)):
         return
     info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(block + r"router\.weight$")

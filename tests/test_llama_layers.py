@@ -385,7 +385,7 @@ def _deepspeed_parameter_names(config: ModelConfig) -> list[str]:
             module = spec.build()
         key = getattr(spec, "key", None)
         if key is not None:
-            if index == 0:
+            if f"tied_modules.{key}.weight" not in names:
                 names.append(f"tied_modules.{key}.weight")
             continue
         names += [f"{index}.{name}" for name, _ in module.named_parameters()]
@@ -394,7 +394,8 @@ def _deepspeed_parameter_names(config: ModelConfig) -> list[str]:
 
 @pytest.mark.parametrize("name, overrides", [("tiny", {}), ("llama-tiny", {}), ("qwen2.5-7b", dict(num_layers=2)),
                                              ("llama-tiny", dict(bias="all", norm="layernorm")),
-                                             ("qwen3-0.6b", dict(num_layers=2)), ("tiny", dict(qk_layernorm=True))])
+                                             ("qwen3-0.6b", dict(num_layers=2)), ("tiny", dict(qk_layernorm=True)),
+                                             ("tiny", dict(mtp={"depth": 1})), ("llama-tiny", dict(mtp={"depth": 2}))])
 def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
     """Every pattern of universal_checkpoint_info matches a parameter (DeepSpeed's strict mode asserts it), no name
     matches two patterns of a category, and each kind of tensor is merged the way its layout needs."""
@@ -428,9 +429,19 @@ def test_universal_checkpoint_patterns_cover_the_model(name, overrides):
     if config.mlp == "swiglu":
         assert kind("2.mlp.gate_up.weight") == uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0
         assert kind("2.mlp.down.weight") == uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings and config.mtp is None:
         assert kind("0.weight") == kind(f"{last}.weight") == uc.VOCABULARY_PARAMETER_PATTERNS
         assert f"{last}.weight" in names and info[uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS] == []
+    if config.mtp is not None:  # model/mtp.py's layer L + 5: a block per depth and its replicated pieces
+        depth = f"{config.num_layers + 5}.depths.{config.mtp.depth - 1}"
+        for replicated in ("enorm", "hnorm", "final_norm", "eh_proj", "block.ln1", "block.ln2"):
+            assert kind(f"{depth}.{replicated}.weight") == uc.TP_REPLICATED_PARAMETER_PATTERNS, replicated
+        assert kind(f"{depth}.block.attention.dense.weight") == uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
+        assert kind(f"{depth}.block.attention.qkv.weight") is None
+        heads = ["tied_modules.word_embeddings.weight"] + ([] if config.tie_word_embeddings
+                                                           else ["tied_modules.output_head.weight"])
+        assert [kind(head) for head in heads] == [uc.VOCABULARY_PARAMETER_PATTERNS] * len(heads)
+        assert info[uc.PIPELINE_REPLICATED_PARAMETER_PATTERNS] == [r"tied_modules\.word_embeddings\.weight$"]
 
 
 @pytest.mark.parametrize("scaling", [LLAMA3_SCALING, YARN_MSCALE])

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from common import deepspeed_internals as ds_internals
+from model.checkpoint_files import BLOCK_PREFIX
 
-EXPERT_PARAMETER = re.compile(r"\d+\.mlp\.block\.experts\.(gate_up|down)$")
+EXPERT_PARAMETER = re.compile(BLOCK_PREFIX + r"mlp\.block\.experts\.(gate_up|down)$")
 """The experts' parameters by their DeepSpeed names (pipeline layer index, then the module path: model/moe.py)."""
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
