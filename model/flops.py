@@ -37,7 +37,11 @@ def layer_forward_flops_per_token(config: ModelConfig) -> float:
 def attention_weights(config: ModelConfig) -> int:
     """The attention's matmul weights one token meets: QKV (h x (query + 2 key/value heads) x head_dim) and the output
     projection (heads x head_dim x h); under MLA (model/mla.py) the query path (h r_q + r_q nh d_qk, or h nh d_qk
-    without q_lora_rank), the key/value path (h (r_kv + d_r) + r_kv nh (d_n + d_v)) and the output (nh d_v h)."""
+    without q_lora_rank), the key/value path (h (r_kv + d_r) + r_kv nh (d_n + d_v)) and the output (nh d_v h).
+    DeepSeek-V3: 7168 x 1536 + 1536 x 128 x 192 + 7168 x 576 + 512 x 128 x 256 + 128 x 128 x 7168 = 187,105,280
+    (tests/test_deepseek_plan.py). Under TP the down-projections (h r_q, h (r_kv + d_r)) are replicated: every TP
+    rank computes them whole, which the per-GPU time divides by t as the rest (planner/timing.py; 8% of the
+    attention's weights at DeepSeek-V3's shape, none of it at TP 1)."""
     h, heads = config.hidden_size, config.num_attention_heads
     if config.attention_type != "mla":
         return h * config.qkv_size + config.attention_size * h
@@ -50,24 +54,33 @@ def attention_weights(config: ModelConfig) -> int:
 
 def attention_core_flops_per_token(config: ModelConfig) -> float:
     """QK^T and the weighted sum of V per token, 2 s heads (d_qk + d_v): 4 s a with a = heads x head_dim where q, k and
-    v are as wide (not under MLA, whose v is d_v wide: attention_size is heads x d_v there)."""
+    v are as wide (not under MLA, whose v is d_v wide: attention_size is heads x d_v there). DeepSeek-V3 at s 4096:
+    2 x 4096 x 128 x (192 + 128)."""
     return 2.0 * config.seq_length * (config.num_attention_heads * config.head_dim + config.attention_size)
 
 
 def mean_mlp_active_weights(config: ModelConfig) -> float:
     """The MLP matmul weights one token meets in a block, averaged over the blocks: the dense MLP's (2 or 3 h ffn); in
     a sparse block of a Mixture-of-Experts model (model.moe), the router (h E), top_k SwiGLU experts (3 h F each) and
-    the shared expert with its gate (3 h F_s + h): the active FLOPs, as Megatron-LM counts MFU for MoE."""
+    the shared expert (shared_expert_weights): the active FLOPs, as Megatron-LM counts MFU for MoE."""
     h = config.hidden_size
     dense = (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
     moe = config.moe
     if moe is None:
         return float(dense)
-    sparse = h * moe.num_experts + moe.top_k * 3 * h * moe.moe_ffn_hidden_size
-    if moe.shared_expert_ffn_hidden_size:
-        sparse += 3 * h * moe.shared_expert_ffn_hidden_size + h
+    sparse = h * moe.num_experts + moe.top_k * 3 * h * moe.moe_ffn_hidden_size + shared_expert_weights(config, 1)
     sparse_blocks = sum(moe.is_sparse(number) for number in range(1, config.num_layers + 1))
     return (sparse_blocks * sparse + (config.num_layers - sparse_blocks) * dense) / config.num_layers
+
+
+def shared_expert_weights(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """A sparse block's shared expert on one TP rank: its SwiGLU 3 h F_s / t (column- and row-parallel) and, with
+    model.moe.shared_expert_gate (Qwen2-MoE's), the gate's h, replicated; 0 without a shared expert (F_s = 0).
+    DeepSeek-V3's has no gate: 3 x 7168 x 2048 = 44,040,192."""
+    moe, h = config.moe, config.hidden_size
+    if moe is None or not moe.shared_expert_ffn_hidden_size:
+        return 0
+    return 3 * h * moe.shared_expert_ffn_hidden_size // tensor_parallel_size + (h if moe.shared_expert_gate else 0)
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")

@@ -66,6 +66,67 @@ PRESETS: dict[str, dict[str, Any]] = {
                           max_position_embeddings=40960, rope_theta=1000000.0, layernorm_epsilon=1e-6,
                           moe=dict(num_experts=128, top_k=8, moe_ffn_hidden_size=768, norm_topk_prob=True,
                                    aux_loss_coeff=0.008)),
+    # DeepSeek-V3 and its descendants: multi-head latent attention (model.attention_type "mla", model/mla.py) and
+    # fine-grained experts routed by sigmoid scores plus a balancing bias, within groups (model.moe.router
+    # "sigmoid_bias"), one shared expert without a gate, the first blocks dense. Counts equal transformers'
+    # DeepseekV3ForCausalLM built from the same numbers (tests/test_llama_presets.py). Without model.mtp: the
+    # multi-token prediction module is not counted (transformers' count leaves it out too).
+    # DeepSeek-V3 (its technical report, arXiv:2412.19437, and transformers' DeepseekV3Config defaults, which are V3's):
+    # 61 layers, h 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, the first 3
+    # blocks dense (intermediate 18432), then 256 routed experts of 2048 and 1 shared (2048), top 8 in at most 4 of 8
+    # groups, routed_scaling_factor 2.5, norm_topk_prob, vocab 129280, theta 1e4, rms eps 1e-6, untied. No auxiliary
+    # loss: the paper's sequence-wise balance loss, alpha 1e-4, and its bias update speed gamma 1e-3. The YaRN
+    # rope_scaling (factor 40 over 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1; max positions 163840)
+    # is the released checkpoint's config.json, from memory: DeepseekV3Config's defaults have none (and max
+    # positions 4096), and the paper pre-trains at 4K before its two YaRN extensions. Precision bf16 here (the paper
+    # trains in FP8).
+    "deepseek-v3": dict(_LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=128, attention_type="mla",
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, ffn_hidden_size=18432, vocab_size=129280, seq_length=4096,
+                        max_position_embeddings=163840, rope_theta=10000.0, layernorm_epsilon=1e-6,
+                        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                        moe=dict(num_experts=256, top_k=8, moe_ffn_hidden_size=2048, router="sigmoid_bias",
+                                 norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                                 shared_expert_ffn_hidden_size=2048, shared_expert_gate=False, first_dense_layers=3,
+                                 aux_loss_coeff=0.0, sequence_aux_loss_coeff=1e-4, bias_update_rate=1e-3)),
+    # Kimi-K2 (Moonshot AI's config.json, from memory): DeepSeek-V3's trunk with 64 heads, 384 routed experts of
+    # 2048 and 1 shared, top 8 without groups, routed_scaling_factor 2.827, only the first block dense, vocab 163840,
+    # theta 5e4, rms eps 1e-6, YaRN factor 32 over 4096 (max positions 131072; beta_fast 1, beta_slow 1, mscale 1,
+    # mscale_all_dim 1, from memory and the least sure of these numbers). Its balance-loss weights are not published:
+    # the router's bias alone (aux_loss_coeff 0).
+    "kimi-k2": dict(_LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=64, attention_type="mla",
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    ffn_hidden_size=18432, vocab_size=163840, seq_length=4096, max_position_embeddings=131072,
+                    rope_theta=50000.0, layernorm_epsilon=1e-6,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                    moe=dict(num_experts=384, top_k=8, moe_ffn_hidden_size=2048, router="sigmoid_bias",
+                             norm_topk_prob=True, routed_scaling_factor=2.827, shared_expert_ffn_hidden_size=2048,
+                             shared_expert_gate=False, first_dense_layers=1, aux_loss_coeff=0.0)),
+    # Moonlight-16B-A3B (Moonshot AI's config.json, from memory): 27 layers, h 2048, 16 heads, MLA without a query
+    # latent (q_lora_rank null: one q_proj), kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, the first block dense
+    # (intermediate 11264), then 64 routed experts of 1408 and 2 shared (one SwiGLU of 2816), top 6 without groups,
+    # routed_scaling_factor 2.446, vocab 163840, theta 5e4, no YaRN, max positions 8192, untied; rms eps 1e-5 (from
+    # memory, unsure; it changes no count). As for Kimi-K2, the router's bias alone.
+    "moonlight-16b-a3b": dict(_LLAMA, num_layers=27, hidden_size=2048, num_attention_heads=16, attention_type="mla",
+                              q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                              v_head_dim=128, ffn_hidden_size=11264, vocab_size=163840, seq_length=8192,
+                              rope_theta=50000.0,
+                              moe=dict(num_experts=64, top_k=6, moe_ffn_hidden_size=1408, router="sigmoid_bias",
+                                       norm_topk_prob=True, routed_scaling_factor=2.446,
+                                       shared_expert_ffn_hidden_size=2816, shared_expert_gate=False,
+                                       first_dense_layers=1, aux_loss_coeff=0.0)),
+    # A DeepSeek-V3 shape for CPU tests and demos: GPT-2 vocabulary, 4 blocks (the first dense), MLA with small
+    # latents (q 32, kv 32; q and k heads 16 + 8 rope, v 16), 8 experts of 32 in 4 groups (top 2 in at most 2
+    # groups) and a shared expert of 32 without gate; every width divides by TP 2 and EP 2.
+    "deepseek-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=4, attention_type="mla",
+                          q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                          ffn_hidden_size=256, seq_length=64, layernorm_epsilon=1e-6, precision="fp32",
+                          moe=dict(num_experts=8, top_k=2, moe_ffn_hidden_size=32, router="sigmoid_bias",
+                                   norm_topk_prob=True, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                                   shared_expert_ffn_hidden_size=32, shared_expert_gate=False, first_dense_layers=1,
+                                   aux_loss_coeff=0.0, sequence_aux_loss_coeff=1e-4)),
     # A Llama shape for CPU tests and demos: GPT-2 vocabulary, 4 query heads per KV group, untied head.
     "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                        ffn_hidden_size=256, seq_length=64, precision="fp32"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ import torch
 
 from common import deepspeed_internals as ds_internals
 from model.config import PRESETS, ModelConfig, preset, stages_per_rank
-from model.flops import attention_weights
+from model.config.checks import require
+from model.flops import attention_weights, shared_expert_weights
 from model.parallel import ParallelContext
 
 
@@ -97,18 +99,21 @@ def _latent_attention_parameters(config: ModelConfig, tensor_parallel_size: int)
     return queries + keys_values + config.attention_size * h // tp + (h if bias else 0)
 
 
-def _sparse_block_parameters(config: ModelConfig, routed_experts: int) -> int:
-    """One sparse block, whole (TP 1), with ``routed_experts`` of its E experts (E: the block; top_k: what one token
-    uses), F = moe_ffn_hidden_size, F_s = shared_expert_ffn_hidden_size (model/moe.py's tensors, no biases):
+def sparse_block_parameters(config: ModelConfig, tensor_parallel_size: int, routed_experts: int) -> int:
+    """One sparse block on one TP rank holding ``routed_experts`` of its E routed experts (E: the block; top_k: what
+    one token uses; E / EP: an expert-parallel rank's), F = moe_ffn_hidden_size, t = TP (model/moe.py's tensors, no
+    biases):
 
-        attention and norms + router E h + routed x 3 h F + (shared expert 3 h F_s + its gate h, when F_s > 0)
+        attention and norms (/ t) + router E h + routed x 3 h F / t + shared expert (3 h F_s / t + its gate h when
+        shared_expert_gate: model/flops.py shared_expert_weights)
 
-    Mixtral-8x7B (h 4096, 8 KV heads of 128, F 14336, E 8): 41,951,232 + 32,768 + 8 x 176,160,768 per block.
+    the router and the gate replicated over TP. Mixtral-8x7B (h 4096, 8 KV heads of 128, F 14336, E 8, t 1):
+    41,951,232 + 32,768 + 8 x 176,160,768; DeepSeek-V3's sparse blocks (MLA 187,121,664 with its 2 norms, E 256,
+    F 2048, a shared expert of 2048 without gate): 187,121,664 + 1,835,008 + 256 x 44,040,192 + 44,040,192.
     """
-    h, moe = config.hidden_size, config.moe
-    router, expert = moe.num_experts * h, 3 * h * moe.moe_ffn_hidden_size
-    shared = 3 * h * moe.shared_expert_ffn_hidden_size + h if moe.shared_expert_ffn_hidden_size else 0
-    return attention_and_norm_parameters(config, 1) + router + routed_experts * expert + shared
+    h, moe, t = config.hidden_size, config.moe, tensor_parallel_size
+    routed = routed_experts * 3 * h * moe.moe_ffn_hidden_size // t
+    return attention_and_norm_parameters(config, t) + moe.num_experts * h + routed + shared_expert_weights(config, t)
 
 
 def _norm_parameters(config: ModelConfig) -> int:
@@ -155,16 +160,49 @@ def _model_parameters(config: ModelConfig, tensor_parallel_size: int, active: bo
     if config.moe is None:
         blocks = config.num_layers * dense_block
     else:
-        sparse_block = _sparse_block_parameters(config, config.moe.top_k if active else config.moe.num_experts)
+        sparse_block = sparse_block_parameters(config, 1, config.moe.top_k if active else config.moe.num_experts)
         blocks = sum(sparse_block if config.moe.is_sparse(n) else dense_block for n in range(1, config.num_layers + 1))
     return embeddings + positions + blocks + _norm_parameters(config)
 
 
+def check_split(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int, *,
+                sequence_parallel: bool = False, stages_per_rank: int = 1, expert_parallel_size: int = 1,
+                context_parallel_size: int = 1, uneven_stages: bool = False) -> None:
+    """ModelConfig.check_parallel, or with ``uneven_stages`` a pipeline-parallel size that does not divide the
+    layers as well, split as DeepSpeed's partition_balanced splits it (stages of ceil(L / PP) and floor(L / PP)
+    blocks: 61 over 16 gives 13 of 4 and 3 of 3), which the trainer refuses (model/config/parallel.py) and the
+    planner can still plan (tools/plan.py --uneven-stages). Such a split needs at least one block per stage, 1F1B
+    (DualPipeV pairs equal stages) and recompute_num_layers null (it counts the blocks of equal stages); every other
+    check is the even split's, run on the model with its layers rounded up to a multiple of PP."""
+    layers, pp = config.num_layers, pipeline_parallel_size
+    if uneven_stages and isinstance(pp, int) and pp > 0 and layers % pp:
+        require(pp <= layers, f"parallelism.pipeline_parallel_size ({pp}) is more than model.num_layers ({layers}): "
+                              f"a stage needs at least one block")
+        require(stages_per_rank == 1, f"model.num_layers ({layers}) does not divide over parallelism."
+                                      f"pipeline_parallel_size ({pp}), and DualPipeV pairs equal stages: use \"1f1b\"")
+        require(config.recompute_num_layers is None,
+                f"model.recompute_num_layers ({config.recompute_num_layers}) counts the blocks of equal stages, and "
+                f"model.num_layers ({layers}) does not divide over parallelism.pipeline_parallel_size ({pp}): set it "
+                f"to null")
+        config = whole_stages(config, pp)
+    config.check_parallel(tensor_parallel_size, pp, sequence_parallel, stages_per_rank, expert_parallel_size,
+                          context_parallel_size)
+
+
+def whole_stages(config: ModelConfig, pipeline_parallel_size: int) -> ModelConfig:
+    """The model with its layers rounded up to a multiple of PP: what check_split checks an uneven split's other
+    constraints on."""
+    layers = pipeline_parallel_size * math.ceil(config.num_layers / pipeline_parallel_size)
+    return dataclasses.replace(config, num_layers=layers)
+
+
 def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
-                 tensor_parallel_rank: int = 0, pipeline_schedule: str = "1f1b") -> list[StageCount]:
+                 tensor_parallel_rank: int = 0, pipeline_schedule: str = "1f1b",
+                 uneven_stages: bool = False) -> list[StageCount]:
     """Build every stage of one TP rank on the meta device and count its parameters: one count per pipeline rank.
     Under "dualpipev" the layers are cut into 2 PP stages (DualPipeVModule) and each rank's count holds its two
-    stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends."""
+    stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends. ``uneven_stages``:
+    a PP that does not divide the layers is split as DeepSpeed would (check_split)."""
     from model.gpt import gpt_layer_specs
 
     if config.moe is not None:
@@ -172,7 +210,8 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
                          "block), so its stages cannot be counted; analytic_total_parameters and "
                          "analytic_active_parameters count the model from its config")
     per_rank = stages_per_rank(pipeline_schedule)
-    config.check_parallel(tensor_parallel_size, pipeline_parallel_size, stages_per_rank=per_rank)
+    check_split(config, tensor_parallel_size, pipeline_parallel_size, stages_per_rank=per_rank,
+                uneven_stages=uneven_stages)
     stages = pipeline_parallel_size * per_rank
     bounds = stage_boundaries(config, stages)
     ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
@@ -278,7 +317,8 @@ def format_moe_summary(config: ModelConfig, tensor_parallel_size: int) -> str:
     moe, tp = config.moe, tensor_parallel_size
     sparse = sum(moe.is_sparse(n) for n in range(1, config.num_layers + 1))
     shared_ffn = moe.shared_expert_ffn_hidden_size
-    shared = f", a shared expert of ffn {shared_ffn}" if shared_ffn else ""
+    shared = f", a shared expert of ffn {shared_ffn}" + ("" if moe.shared_expert_gate else " (no gate)") \
+        if shared_ffn else ""
     embedding = "the tied embedding once" if config.tie_word_embeddings else "both embeddings"
     return "\n".join([
         f"{sparse} of {config.num_layers} blocks sparse: {moe.num_experts} experts of ffn {moe.moe_ffn_hidden_size}, "

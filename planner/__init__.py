@@ -19,7 +19,10 @@ One module per concern, each with its own formulas in its docstring (the whole d
                 the share of the run a save stops it, sync and async
     pipeline_schedule  the bubble by replaying each rank's DeepSpeed      deepspeed.runtime.pipe.schedule
                 instruction stream (1F1B, DualPipeV) with F and B costs
-    plan        one cluster size: errors, warnings, memory, time            all of the above
+    published   published runs (DeepSeek-V3's GPU-hours) and the shapes    model/presets.py
+                they match
+    plan        one cluster size: errors, warnings, memory, time,          all of the above
+                GPU-hours (beside a published run's)
     search      every layout of one cluster size, ranked                    hardware, memory, timing
     report      the text tables and the --json documents (schema_version)   plan, search, scaling
 
@@ -31,7 +34,7 @@ from planner.checkpointing import Storage
 from planner.hardware import ATTENTION_SCORES, GPU_PRESETS, Assumptions, Hardware
 from planner.memory import count_parameters
 from planner.pipeline_schedule import ScheduleSimulation, simulate
-from planner.plan import Plan, plan_cluster
+from planner.plan import Plan, check_run_layout, plan_cluster
 from planner.report import (
     SCHEMA_VERSION,
     format_comparison,
@@ -43,6 +46,7 @@ from planner.report import (
 )
 from planner.search import search_layouts
 
-__all__ = ["ATTENTION_SCORES", "GPU_PRESETS", "SCHEMA_VERSION", "Assumptions", "Hardware", "Plan", "Storage", "count_parameters",
+__all__ = ["ATTENTION_SCORES", "GPU_PRESETS", "SCHEMA_VERSION", "Assumptions", "Hardware", "Plan", "Storage",
+           "check_run_layout", "count_parameters",
            "format_comparison", "format_header", "format_plan", "format_search", "plan_cluster", "report_to_dict",
            "search_layouts", "search_to_dict", "ScheduleSimulation", "simulate"]

@@ -12,8 +12,10 @@ Parameters of one TP rank of stage i (model/moe.py's tensors; a rank holds only 
         attention and norms (a dense block's, /t) + router E h + E_l x 3 h F / t + (3 h F_s / t + h: the shared
         expert and its gate, when F_s > 0; no gate: shared_expert_gate false)
     the router and the shared gate replicated over TP. N^e_i = (sparse blocks of the stage) x E_l x 3 h F / t are
-    its expert parameters. Counted from the config (model/summary.py's count_stages builds no sparse block yet);
-    tests/test_planner_moe.py checks the count against the model built on the meta device at EP 2.
+    its expert parameters. Counted from the config (model/summary.py sparse_block_parameters, the block count
+    the model's total and active counts use too); tests/test_planner_moe.py checks the count against the model
+    built on the meta device at EP 2. DeepSeek-V3 at EP 64: each sparse block 187,121,664 (MLA and its norms) +
+    1,835,008 (router) + 4 x 44,040,192 (its experts) + 44,040,192 (the shared expert) = 409,157,632 per GPU.
 Optimizer states (ZeRO-1). DeepSpeed's optimizers hold the experts in a parameter group of their own
     (training/engine.py) and partition it over the expert-data-parallel group, the d / P data ranks that hold the
     same experts (BF16_Optimizer._configure_moe_settings: groups._get_expert_data_parallel_group); the dense
@@ -56,8 +58,9 @@ from model.config import ModelConfig, stages_per_rank
 from model.summary import (
     StageCount,
     analytic_layer_parameters,
-    attention_and_norm_parameters,
+    check_split,
     dense_block_parameters,
+    sparse_block_parameters,
     stage_boundaries,
 )
 from planner.hardware import DTYPE_BYTES
@@ -85,29 +88,22 @@ def expert_matrix_parameters(model: ModelConfig, tensor_parallel_size: int) -> i
     return 3 * model.hidden_size * model.moe.moe_ffn_hidden_size // tensor_parallel_size
 
 
-def sparse_block_parameters(model: ModelConfig, tensor_parallel_size: int, local_experts: int) -> int:
-    """One sparse block on one TP rank holding ``local_experts`` experts (module docstring)."""
-    moe, h, t = model.moe, model.hidden_size, tensor_parallel_size
-    gate = h if moe.shared_expert_gate else 0  # Qwen2-MoE's sigmoid gate; DeepSeek-V3's shared experts have none
-    shared = 3 * h * moe.shared_expert_ffn_hidden_size // t + gate if moe.shared_expert_ffn_hidden_size else 0
-    experts = local_experts * expert_matrix_parameters(model, t)
-    return attention_and_norm_parameters(model, t) + moe.num_experts * h + experts + shared
-
-
 VOCABULARY_PARALLEL = ("WordEmbedding", "OutputHead")
 
 
 def count_expert_stages(model: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
-                        expert_parallel_size: int = 1, pipeline_schedule: str = "1f1b") -> list[ExpertStageCount]:
+                        expert_parallel_size: int = 1, pipeline_schedule: str = "1f1b",
+                        uneven_stages: bool = False) -> list[ExpertStageCount]:
     """model/summary.py's count_stages for a Mixture-of-Experts model, from the config: one count per pipeline rank
     of one TP rank and one EP rank (every EP rank holds as many experts), DeepSpeed's partition of the blocks, under
-    DualPipeV the rank's two stages in ``phases`` and the tied embedding once on rank 0."""
+    DualPipeV the rank's two stages in ``phases`` and the tied embedding once on rank 0. ``uneven_stages``: a PP
+    that does not divide the layers (model/summary.py check_split; DeepSeek-V3's 61 over PP 16)."""
     from model.gpt import gpt_layer_specs
     from model.parallel import ParallelContext
 
     tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     per_rank = stages_per_rank(pipeline_schedule)
-    model.check_parallel(tp, pp, stages_per_rank=per_rank, expert_parallel_size=ep)
+    check_split(model, tp, pp, stages_per_rank=per_rank, expert_parallel_size=ep, uneven_stages=uneven_stages)
     stages = pp * per_rank
     bounds = stage_boundaries(model, stages)
     specs = gpt_layer_specs(model, ParallelContext(), seed=0)

@@ -75,6 +75,13 @@ GPU_PRESETS: dict[str, Hardware] = {
     "h100-80gb": Hardware("h100-80gb", 989.0, 80.0, 3350.0, 900.0, 400.0),
     # H200 SXM data sheet: H100 compute, 141 GB HBM3e at 4.8 TB/s; DGX H200 keeps NVLink 4 and 8 x 400 Gb/s NDR.
     "h200": Hardware("h200", 989.0, 141.0, 4800.0, 900.0, 400.0),
+    # H800 SXM, the export version of the H100 SXM that trained DeepSeek-V3: H100's compute (989 TFLOP/s bf16 dense)
+    # and memory (80 GB HBM3, 3.35 TB/s), NVLink cut to 400 GB/s (both directions; the data sheet's 400 is from
+    # memory). Links as the DeepSeek-V3 report (arXiv:2412.19437, sections 3.1, 3.2.2; recalled) gives them: 8 GPUs per node
+    # on NVLink and NVSwitch, nodes on InfiniBand at 50 GB/s per GPU (= 400 Gb/s, one NDR HCA per GPU, 8 per node),
+    # where the report also says NVLink sustains 160 GB/s, roughly 3.2 times IB: 80% of 200 GB/s each way, what
+    # comm_efficiency 0.8 assumes here too.
+    "h800": Hardware("h800", 989.0, 80.0, 3350.0, 400.0, 400.0),
 }
 
 

@@ -49,6 +49,10 @@ Memory of stage i
         5 a s / h term (softmax output, dropout mask and output, 5 a s^2 b / t bytes) is what Assumptions
         .attention_scores "stored" adds in place of the logsumexp and SDPA output, the unfused math kernel (an
         explicit mask, or a head dimension neither fused kernel takes); "recomputed" (default) leaves it out.
+        Multi-head latent attention (model.attention_type "mla", DeepSeek-V3's) keeps other tensors in place of
+        the QKV rows: its two latents and their norms, kv_b_proj's output (v is a view of it), the core's q and k
+        of d_n + d_r each, the dense input and, without recompute, the kernel's output and logsumexp
+        (latent_attention_stored_tensors); selective recompute drops the last two, as for multi-head attention.
         recompute_num_layers n: the first n blocks of each stage in the mode, the others "none".
         One block's backward peaks above its kept set by ``layer_backward_transient_bytes`` (the gradient of the
         MLP's up-projection output), counted apart: not in the stage totals below.
@@ -88,17 +92,19 @@ class ParameterCounts:
     """model.summary.analytic_total_parameters."""
 
 
-def count_parameters(config: RunConfig) -> ParameterCounts:
+def count_parameters(config: RunConfig, uneven_stages: bool = False) -> ParameterCounts:
     """One count per pipeline rank (under DualPipeV with its two stages in ``phases``). A Mixture-of-Experts model is
     counted from its config at the run's EP (planner.experts.count_expert_stages: a rank holds E / EP experts of
-    each sparse block), its total with every expert."""
+    each sparse block), its total with every expert. ``uneven_stages``: a PP that does not divide the layers, split
+    as DeepSpeed's partition_balanced would (model/summary.py check_split)."""
     tp, pp = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     if config.model.moe is not None:
         stages = count_expert_stages(config.model, tp, pp, config.parallelism.expert_parallel_size,
-                                     config.parallelism.pipeline_schedule)
+                                     config.parallelism.pipeline_schedule, uneven_stages)
         total = analytic_total_parameters(config.model, tp)
         return ParameterCounts(stages, total, total)
-    stages = count_stages(config.model, tp, pp, pipeline_schedule=config.parallelism.pipeline_schedule)
+    stages = count_stages(config.model, tp, pp, pipeline_schedule=config.parallelism.pipeline_schedule,
+                          uneven_stages=uneven_stages)
     return ParameterCounts(stages, total_from_stages(stages, config.model, tp),
                            analytic_total_parameters(config.model, tp))
 
@@ -166,8 +172,9 @@ def sparse_mlp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, 
         the experts' input rows, e k' h (at EP > 1 the rows received, under the split dispatch gathered over TP:
             balanced routing assumed); per row the SwiGLU's gate_up output, silu output and product, e k' 4 F / t
         the combine's gathered outputs (T, k, h) and gate weights, e k (h + 1) (/ u)
-        the shared expert (F_s > 0): its SwiGLU 4 F_s / t, its output h and the sigmoid gate, e (4 F_s / t + h + 1);
-            under the split dispatch also its own gathered input, e h
+        the shared expert (F_s > 0): its SwiGLU 4 F_s / t and, with shared_expert_gate, its output h and the
+            sigmoid gate, e (4 F_s / t + h + 1); without the gate (DeepSeek-V3's) the output is added as it is and
+            kept by nothing, e 4 F_s / t; under the split dispatch also its own gathered input, e h
     The aux loss's per-expert terms (E floats a block) are left out. Checked against the tensors the block saves
     (saved-tensor hooks, CPU, fp32 and bf16, EP 1 and TP 1, the per-expert matmul loop: tests/test_planner_moe.py;
     TP 2 x EP 2 with sequence parallelism, the split dispatch: tests/test_moe_dispatch.py); CUDA's grouped GEMM keeps
@@ -199,26 +206,77 @@ def sparse_mlp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, 
         StoredTensor("combine: gathered expert outputs and gate weights", dtype * k * (h + 1) * u, STORING_MODES),
     ]
     if moe.shared_expert_ffn_hidden_size:
-        rows.append(StoredTensor("shared expert: SwiGLU, output and sigmoid gate (and its gathered input, split)",
-                                 dtype * (4 * moe.shared_expert_ffn_hidden_size / t + h + 1 + h * split),
+        gate = h + 1 if moe.shared_expert_gate else 0  # the gate's product keeps the output and the sigmoid
+        rows.append(StoredTensor("shared expert: SwiGLU (gated: its output and sigmoid gate; split: its input)",
+                                 dtype * (4 * moe.shared_expert_ffn_hidden_size / t + gate + h * split),
                                  STORING_MODES))
     return rows
 
 
-def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
-                         attention_scores_stored: bool = False, micro_batch: int = 1, sparse: bool = False,
-                         expert_parallel_size: int = 1, context_parallel_size: int = 1) -> list[StoredTensor]:
-    """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
-    micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
-    layer_activation_bytes (module docstring). ``sparse``: a block of a Mixture-of-Experts model with experts (its
-    MLP's rows and the ln2 output are sparse_mlp_stored_tensors'). Under context parallelism (CP > 1) per token of
-    the rank's slice: the core keeps the all-to-all's copies of q, k and v (all S positions of heads / CP heads: the
-    QKV output's bytes per slice token) and its own output, which the all-to-all back copies into the dense input;
-    the QKV output, the rotated query and keys are freed once sent."""
-    h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
-    dtype = DTYPE_BYTES[model.precision]
-    u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
-    replicated, heads, attention = h * u, model.num_attention_heads / t, model.attention_size / t
+def latent_attention_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
+                                    attention_scores_stored: bool = False, micro_batch: int = 1) -> list[StoredTensor]:
+    """What multi-head latent attention (model/mla.py) keeps for its backward, per token of the micro-batch on one TP
+    rank, in place of the QKV rows of layer_stored_tensors (the ln1 output, its input, is the block's row). nh heads,
+    r_q, r_kv the latents, d_qk = d_n + d_r the q and k heads, d_v the v heads, e the model dtype, u = 1/t with SP
+    (the latents are replicated sequence shards there, like the block's input), else 1. Derived from the code, each
+    row the tensor an autograd node saves:
+
+        query latent (q_lora_rank set): RMSNorm's fp32 input (q_a_proj's output itself in fp32, its fp32 copy in
+            16-bit), 4 r_q u; its rsqrt, 4 u; the normalised x, e r_q u; the norm's output, q_b_proj's input,
+            e r_q u. With q_proj instead (r_q null) nothing: its input is the ln1 output.
+        key/value latent: the same for kv_a_layernorm, 4 r_kv u + 4 u + 2 e r_kv u; in fp32 the norm's input is a
+            view of kv_a_proj_with_mqa's output, whose k_rope columns it keeps too, 4 d_r u more
+        kv_b_proj's output, e nh (d_n + d_v) / t: v, which the core keeps, is a view of it (k_nope is copied into k)
+        the core's q and k, e nh d_qk / t each: the concatenations [q_nope, rope(q_rope)], [k_nope, rope(k_rope)]
+        RoPE's cos and sin, (s, d_r) each per block, 2 e d_r / b; the rotation keeps nothing else (x cos: the
+            factor without a gradient), so neither q_b_proj's output nor the rope key is kept
+        the fused kernel's output e nh d_v / t and logsumexp 4 nh / t ("none"; "selective" recomputes them from the
+            kept q, k and v); its output is laid out as the contiguous q (b, nh, s, d), so the dense layer's input,
+            transpose(1, 2).reshape, is a copy, e nh d_v / t, kept in both storing modes
+
+    With the scores stored (Assumptions.attention_scores "stored") Korthikanti et al.'s 5 nh s / t scores replace the
+    kernel's output and logsumexp, as for multi-head attention. DeepSeek-V3 per token at t = 1, bf16 (r_q 1536, r_kv
+    512, 128 heads of 192 and v 128): 12,292 + 4,100 + 65,536 + 2 x 49,152 + 32,768 + 32,768 + 512 bytes and the
+    cos and sin, against the QKV output's 2 x 128 x (2 x 192 + 128) = 131,072 of a multi-head block of these widths.
+    The rows are the tensors the block saves (saved-tensor hooks, CPU, fp32, exact; tests/test_deepseek_plan.py),
+    with a fused kernel's saved set (q, k, v, output, logsumexp) standing in for the kernel: on CPU MLA's unequal
+    q and v widths select the math kernel, which keeps the s x s scores."""
+    t, e = tensor_parallel_size, DTYPE_BYTES[model.precision]
+    u = 1.0 / t if sequence_parallel else 1.0
+    heads = model.num_attention_heads / t
+    rows = []
+    if model.q_lora_rank is not None:
+        rows.append(StoredTensor("query latent: the norm's fp32 input, rsqrt, normalised x, output",
+                                 (4 * model.q_lora_rank + 4 + 2 * e * model.q_lora_rank) * u, STORING_MODES))
+    rope_columns = model.qk_rope_head_dim if e == 4 else 0  # kept through the fp32 norm's view of the projection
+    rows += [
+        StoredTensor("key/value latent: the norm's fp32 input, rsqrt, normalised x, output",
+                     (4 * (model.kv_lora_rank + rope_columns) + 4 + 2 * e * model.kv_lora_rank) * u, STORING_MODES),
+        StoredTensor("kv_b_proj output (v is a view of it)",
+                     e * heads * (model.qk_nope_head_dim + model.v_head_dim), STORING_MODES),
+        StoredTensor("q and k of the core, nope and rope concatenated", 2 * e * heads * model.head_dim, STORING_MODES),
+        StoredTensor("RoPE cos and sin, (s, d_r) each per block", 2 * e * model.qk_rope_head_dim / micro_batch,
+                     STORING_MODES),
+        StoredTensor("attention output, the dense layer's input (a copy)", e * model.attention_size / t,
+                     STORING_MODES),
+    ]
+    if attention_scores_stored:
+        rows.append(StoredTensor("s x s scores (Korthikanti et al.)", 5 * heads * model.seq_length * e / 2,
+                                 ("none",)))
+    else:
+        rows += [StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)),
+                 StoredTensor("SDPA output", e * model.attention_size / t, ("none",))]
+    return rows
+
+
+def _multi_head_attention_rows(model: ModelConfig, tensor_parallel_size: int, *, attention_scores_stored: bool,
+                               micro_batch: int, context_parallel_size: int) -> list[StoredTensor]:
+    """Multi-head (and grouped-query) attention's rows of layer_stored_tensors. Under context parallelism (CP > 1)
+    per token of the rank's slice: the core keeps the all-to-all's copies of q, k and v (all S positions of heads /
+    CP heads: the QKV output's bytes per slice token) and its own output, which the all-to-all back copies into the
+    dense input; the QKV output, the rotated query and keys are freed once sent."""
+    t, dtype = tensor_parallel_size, DTYPE_BYTES[model.precision]
+    heads, attention = model.num_attention_heads / t, model.attention_size / t
     kv = model.num_key_value_heads * model.head_dim / t
     query_copied = model.queries_per_key_value_head > 1 or model.position_embedding == "rope"
     # The SDPA output takes the query's memory layout. The query is a view of the QKV output, laid out (b, s, a, d),
@@ -226,14 +284,8 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
     # (RoPE's rotation keeps whichever layout it gets).
     query_contiguous = model.queries_per_key_value_head > 1 and model.num_key_value_heads // t > 1
     ulysses = context_parallel_size > 1
-    rows = [
-        StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
-        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES)
-        if not sparse else StoredTensor("ln1 output, residual sum (ln2 input)", 2 * dtype * replicated, STORING_MODES),
-        *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
-        StoredTensor("q, k, v after Ulysses' all-to-all" if ulysses else "QKV output (q, k, v are views of it)",
-                     dtype * model.qkv_size / t, STORING_MODES),
-    ]
+    rows = [StoredTensor("q, k, v after Ulysses' all-to-all" if ulysses else "QKV output (q, k, v are views of it)",
+                         dtype * model.qkv_size / t, STORING_MODES)]
     if query_copied and not ulysses:  # SDPA keeps a query of its own: GQA's flatten copies it, RoPE rotates it
         rows.append(StoredTensor("query copy (GQA) or rotated query (RoPE)", dtype * attention, STORING_MODES))
     if model.position_embedding == "rope":  # the rotated keys; x cos and rotate_half(x) sin keep cos and sin only
@@ -253,6 +305,34 @@ def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, seque
         rows.append(StoredTensor("SDPA logsumexp (fp32)", 4 * heads, ("none",)))
         if query_contiguous or ulysses:  # (b, a, s, d) too, or sent back: the dense input is a copy
             rows.append(StoredTensor("SDPA output", dtype * attention, ("none",)))
+    return rows
+
+
+def layer_stored_tensors(model: ModelConfig, tensor_parallel_size: int, *, sequence_parallel: bool,
+                         attention_scores_stored: bool = False, micro_batch: int = 1, sparse: bool = False,
+                         expert_parallel_size: int = 1, context_parallel_size: int = 1) -> list[StoredTensor]:
+    """What one block of this implementation (model/gpt.py, TransformerLayer) keeps for its backward, per token of a
+    micro-batch of ``micro_batch`` sequences on one TP rank, by recompute mode: the table behind
+    layer_activation_bytes (module docstring). ``sparse``: a block of a Mixture-of-Experts model with experts (its
+    MLP's rows and the ln2 output are sparse_mlp_stored_tensors'). The attention's rows: multi-head attention's
+    (_multi_head_attention_rows), or MLA's (latent_attention_stored_tensors)."""
+    h, t, f = model.hidden_size, tensor_parallel_size, model.ffn_hidden_size
+    dtype = DTYPE_BYTES[model.precision]
+    u = 1.0 / t if sequence_parallel else 1.0  # outside the TP matmuls a rank holds s/t positions with SP
+    replicated = h * u
+    rows = [
+        StoredTensor("block output (the next block's input)", dtype * replicated, ALL_MODES),
+        StoredTensor("ln1 output, residual sum (ln2 input), ln2 output", 3 * dtype * replicated, STORING_MODES)
+        if not sparse else StoredTensor("ln1 output, residual sum (ln2 input)", 2 * dtype * replicated, STORING_MODES),
+        *_norm_rows(model, replicated, "ln1"), *_norm_rows(model, replicated, "ln2"),
+    ]
+    if model.attention_type == "mla":
+        rows += latent_attention_stored_tensors(model, t, sequence_parallel=sequence_parallel,
+                                                attention_scores_stored=attention_scores_stored,
+                                                micro_batch=micro_batch)
+    else:
+        rows += _multi_head_attention_rows(model, t, attention_scores_stored=attention_scores_stored,
+                                           micro_batch=micro_batch, context_parallel_size=context_parallel_size)
     if sparse:
         rows += sparse_mlp_stored_tensors(model, t, micro_batch=micro_batch, expert_parallel_size=expert_parallel_size,
                                           sequence_parallel=sequence_parallel)

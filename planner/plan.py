@@ -13,13 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import check_expert_parallel, set_option
+from model.config import check_expert_parallel, set_option, stages_per_rank
 from model.flops import flops_per_iteration, model_flops_per_iteration, tflops_per_gpu
-from model.summary import analytic_active_parameters, analytic_total_parameters
+from model.summary import analytic_active_parameters, analytic_total_parameters, check_split, whole_stages
 from planner.checkpointing import CheckpointCost, Storage, checkpoint_cost
 from planner.experts import all_to_all_bytes, expert_group_spans_nodes, expert_parameters_of
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory, stage_memory
+from planner.published import PublishedRun, published_run
 from planner.ramp import TrainingTime, ramp_sizes_not_dividing, suggest_ramp, training_time
 from planner.timing import IterationTime, iteration_time
 from runconfig.run import RunConfig
@@ -84,6 +85,15 @@ class Plan:
     checkpoint: CheckpointCost | None = None
     experts: ExpertFigures | None = None
     """A Mixture-of-Experts model's figures (None for a dense model, and then absent from --json)."""
+    gpu_hours: float | None = None
+    """The whole training on all the plan's GPUs: GPUs x training seconds / 3600."""
+    gpu_hours_per_trillion_tokens: float | None = None
+    """gpu_hours per 1e12 of the training's tokens (the ramp's slower steps included)."""
+    published: PublishedRun | None = None
+    """A published run of a model of this shape (planner/published.py), to set the GPU-hours beside."""
+    published_mfu: float | None = None
+    """The MFU the published run's GPU-hours per trillion tokens come to at this plan's model FLOPs per token and
+    this GPU's peak: model FLOPs per token x 1e12 / (GPU-hours x 3600 x peak)."""
 
     @property
     def ok(self) -> bool:
@@ -161,6 +171,34 @@ def measured_throughput(config: RunConfig, gpus: int, iteration_seconds: float, 
     return figures
 
 
+def check_run_layout(config: RunConfig, uneven_stages: bool = False) -> None:
+    """RunConfig.check_layout, or with ``uneven_stages`` also a pipeline-parallel size that does not divide the
+    layers (model/summary.py check_split: planned as DeepSpeed's partition_balanced splits it; the trainer refuses
+    it). A ValueError names the field and the fix."""
+    model, parallelism = config.model, config.parallelism
+    pp = parallelism.pipeline_parallel_size
+    if uneven_stages and model.num_layers % pp:
+        check_split(model, parallelism.tensor_parallel_size, pp, sequence_parallel=parallelism.sequence_parallel,
+                    stages_per_rank=stages_per_rank(parallelism.pipeline_schedule),
+                    expert_parallel_size=parallelism.expert_parallel_size,
+                    context_parallel_size=parallelism.context_parallel_size, uneven_stages=True)
+        config = dataclasses.replace(config, model=whole_stages(model, pp))  # the run config's own checks
+    config.check_layout()
+
+
+def uneven_stages_warning(config: RunConfig, parameters: ParameterCounts) -> str | None:
+    """The warning of a plan whose stages hold unequal blocks; None when PP divides the layers."""
+    model, pp = config.model, config.parallelism.pipeline_parallel_size
+    if model.num_layers % pp == 0:
+        return None
+    blocks = [len(c.blocks) for c in parameters.stages]
+    sizes = ", ".join(f"{blocks.count(n)} of {n}" for n in sorted(set(blocks), reverse=True))
+    return (f"model.num_layers ({model.num_layers}) does not divide over PP {pp}: planned as DeepSpeed's "
+            f"partition_balanced splits it, stages of unequal blocks ({sizes}; the first stage also holds the "
+            f"embedding, the last the head), the slowest pacing the pipeline. The trainer refuses this split "
+            f"(model/config/parallel.py): a plan to compare, not a run to launch")
+
+
 def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
                  parameters: ParameterCounts, iteration_seconds: float | None = None,
                  storage: Storage | None = None) -> Plan:
@@ -187,6 +225,9 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
     if tp > hardware.gpus_per_node:
         plan.warnings.append(f"tensor parallelism {tp} spans nodes of {hardware.gpus_per_node} GPUs: its all-reduces "
                              f"are timed over InfiniBand")
+    uneven = uneven_stages_warning(config, parameters)
+    if uneven:
+        plan.warnings.append(uneven)
     ramp = _check_batches(config, plan)
     if ramp is None:
         return plan
@@ -212,6 +253,13 @@ def plan_cluster(config: RunConfig, nodes: int, hardware: Hardware, assumptions:
         return times[batch].seconds
 
     plan.training = training_time(ramp, config.schedule.train_tokens, config.model.seq_length, seconds)
+    plan.gpu_hours = gpus * plan.training.seconds / 3600
+    plan.gpu_hours_per_trillion_tokens = plan.gpu_hours / (plan.training.tokens / 1e12)
+    plan.published = published_run(config.model)
+    if plan.published is not None:  # the model FLOPs of 1e12 tokens over its GPU-seconds at the peak
+        per_token = model_flops_per_iteration(config.model, 1, tp) / config.model.seq_length
+        plan.published_mfu = per_token * 1e12 / (plan.published.gpu_hours_per_trillion_tokens * 3600
+                                                 * hardware.peak_tflops * 1e12)
     seconds(ramp.sizes()[0])
     plan.first_batch, plan.full_batch = times[ramp.sizes()[0]], times[ramp.end]
     if iteration_seconds is not None:

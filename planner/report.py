@@ -17,7 +17,9 @@ JSON (``tools/plan.py --json``): one object
         first_batch, full_batch: IterationTime fields (seconds; micro_batch: MicroBatchTime of the slowest stage;
             tflops_per_gpu and hfu from hardware FLOPs, mfu from model FLOPs),
         training: TrainingTime fields, measured: {iteration_seconds, tflops_per_gpu, model_tflops_per_gpu, hfu, mfu,
-            predicted_over_measured} | null, checkpoint: CheckpointCost fields | null}]
+            predicted_over_measured} | null, checkpoint: CheckpointCost fields | null,
+        gpu_hours, gpu_hours_per_trillion_tokens (null if impossible), published: PublishedRun fields
+            (planner/published.py) | null, published_mfu | null}]
     --search --json: {schema_version, config, nodes, gpus, gpu, assumptions, ranked_by, layouts_tried, layouts_fitting, best,
         layouts: [Layout fields + peak_memory_bytes, peak_memory_gib, iteration_seconds, tflops_per_gpu, hfu, mfu]}
     Bytes are integers, times seconds, FLOPs floats. An impossible plan has errors and null figures where they
@@ -373,9 +375,25 @@ def format_training(plan: Plan) -> str:
     t, r = plan.training, plan.ramp
     extra = t.ramp_seconds - t.ramp_seconds_at_full_batch_rate
     ramp = f"ramp {r['start']} -> {r['end']} by {r['increment']}" + (" (suggested)" if r["suggested"] else "")
-    return _wrap(f"training {t.tokens:.4g} tokens: {t.steps:,.0f} steps, {t.seconds / 86400:.2f} days; {ramp}: "
-                 f"{t.ramp_tokens:.3g} tokens in {t.ramp_steps:,.0f} steps, {t.ramp_seconds / 3600:.1f} h "
-                 f"({extra / 3600:.1f} h more than at the full batch's rate)", "  ")
+    lines = [_wrap(f"training {t.tokens:.4g} tokens: {t.steps:,.0f} steps, {t.seconds / 86400:.2f} days; {ramp}: "
+                   f"{t.ramp_tokens:.3g} tokens in {t.ramp_steps:,.0f} steps, {t.ramp_seconds / 3600:.1f} h "
+                   f"({extra / 3600:.1f} h more than at the full batch's rate)", "  "),
+             format_gpu_hours(plan)]
+    return "\n".join(lines)
+
+
+def format_gpu_hours(plan: Plan) -> str:
+    """GPU-hours per trillion tokens and for the whole training, and a published run's beside them."""
+    line = (f"GPU-hours: {plan.gpu_hours_per_trillion_tokens / 1e3:,.1f}K per trillion tokens, "
+            f"{plan.gpu_hours / 1e6:,.3f}M for the {_count(plan.training.tokens)} tokens ({plan.gpus:,} GPUs)")
+    run = plan.published
+    if run is not None:
+        ratio = plan.gpu_hours_per_trillion_tokens / run.gpu_hours_per_trillion_tokens
+        line += (f"; {run.source}: {run.gpu_hours_per_trillion_tokens / 1e3:,.0f}K per trillion tokens, "
+                 f"{run.gpu_hours / 1e6:,.3f}M for {_count(run.tokens)} on {run.gpus}, an MFU of "
+                 f"{plan.published_mfu:.1%} at this plan's model FLOPs per token and peak ({ratio:.2f} x: the "
+                 f"planner times this trainer, nothing overlapped; the run had {run.differences})")
+    return _wrap(line, "  ")
 
 
 def format_measured(measured: dict[str, float]) -> str:

@@ -12,7 +12,10 @@ Search (``search_layouts``, tools/plan.py --search, one node count)
     expert_parallel_choices); a dense model's layouts are EP 1, as before. Ulysses context parallelism CP in 1, 2,
     4, ... dividing the heads and key/value heads of a TP rank and the sequence (x TP with SP), with TP x CP within a
     node (Ulysses' all-to-alls on NVLink) and TP x PP x CP dividing the GPUs, under 1F1B and at EP 1: each layout at
-    every such CP, DP what is left. The layouts that fit are ranked by their
+    every such CP, DP what is left. Of these, the splits the model's own checks accept (MLA refuses CP > 1; the
+    sequence-wise balance loss the sequence-split dispatch). With --uneven-stages also every PP that does not divide
+    the layers (model/summary.py check_split), under 1F1B, recomputing all blocks or none. The layouts that fit are
+    ranked by their
     predicted full-batch iteration time (not the whole training: the ramp's share is the same for every layout
 """
 
@@ -22,7 +25,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from model.summary import StageCount, count_stages
+from model.config import ModelConfig, stages_per_rank
+from model.summary import StageCount, check_split, count_stages
 from planner.experts import count_expert_stages, expert_parallel_choices
 from planner.hardware import Assumptions, Hardware, deepspeed_layout
 from planner.memory import stage_memory
@@ -82,12 +86,14 @@ def recompute_layer_choices(blocks_per_stage: int) -> list[int | None]:
     return [None, *counts]
 
 
-def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
+def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int,
+                      uneven_stages: bool = False) -> list[Layout]:
     """TP dividing the heads, key/value heads and FFN, up to a node; PP dividing the layers with TP x PP dividing the
     GPUs; micro-batches 1, 2, 4, 8 that split the full batch over DP; SP on or off (on: TP > 1 and a sequence that
     divides); recompute none, selective and full, the latter two on some or all blocks of each stage; 1F1B, and
     DualPipeV where it can run; a Mixture-of-Experts model's experts' widths divided by TP, and each layout at every
-    EP dividing both the experts and DP (module docstring)."""
+    EP dividing both the experts and DP (module docstring). ``uneven_stages``: also every PP up to the layers that
+    does not divide them, under 1F1B, recomputing all blocks or none (model/summary.py check_split)."""
     model, batch = config.model, config.global_batch_size
     widths = () if model.moe is None else (model.moe.moe_ffn_hidden_size, model.moe.shared_expert_ffn_hidden_size)
     layouts = []
@@ -97,19 +103,45 @@ def candidate_layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[
         if any(width % tp for width in widths):
             continue
         for pp, cp in ((p, c) for p in range(1, model.num_layers + 1) for c in context_parallel_choices(model, tp, gpus_per_node // tp)
-                       if model.num_layers % p == 0 and gpus % (tp * p * c) == 0):
+                       if (uneven_stages or model.num_layers % p == 0) and gpus % (tp * p * c) == 0):
             dp = gpus // (tp * pp * cp)
+            even = model.num_layers % pp == 0
             for micro_batch in (m for m in (1, 2, 4, 8) if batch % (m * dp) == 0):
                 for sequence_parallel in (False, True) if tp > 1 and model.seq_length % (tp * cp) == 0 else (False,):
                     modes = [("none", None)] + [(mode, n) for mode in ("selective", "full")
-                                                for n in recompute_layer_choices(model.num_layers // pp)]
+                                                for n in (recompute_layer_choices(model.num_layers // pp) if even
+                                                          else [None])]
                     schedules = ["1f1b"]
-                    if pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp and cp == 1:
+                    if even and pp >= 2 and model.num_layers // pp >= 2 and batch // (micro_batch * dp) >= 2 * pp \
+                            and cp == 1:
                         schedules.append("dualpipev")
                     layouts += [Layout(tp, pp, dp, micro_batch, sequence_parallel, mode, n, schedule, ep, cp)
                                 for ep in (expert_parallel_choices(model, dp) if cp == 1 else [1])
                                 for schedule in schedules for mode, n in modes]
-    return layouts
+    return _accepted(model, layouts, uneven_stages)
+
+
+def _accepted(model: ModelConfig, layouts: list[Layout], uneven_stages: bool) -> list[Layout]:
+    """The layouts whose split the trainer accepts (model/summary.py check_split: the model's own checks, such as
+    MLA refusing context parallelism, or the sequence-wise balance loss the sequence-split dispatch), once per
+    split; their recompute_num_layers fit their stages by construction."""
+    model = dataclasses.replace(model, recompute_num_layers=None)
+    verdicts: dict[tuple, bool] = {}
+
+    def accepted(layout: Layout) -> bool:
+        split = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.sequence_parallel,
+                 layout.pipeline_schedule, layout.expert_parallel_size, layout.context_parallel_size)
+        if split not in verdicts:
+            try:
+                check_split(model, split[0], split[1], sequence_parallel=split[2],
+                            stages_per_rank=stages_per_rank(split[3]), expert_parallel_size=split[4],
+                            context_parallel_size=split[5], uneven_stages=uneven_stages)
+                verdicts[split] = True
+            except ValueError:
+                verdicts[split] = False
+        return verdicts[split]
+
+    return [layout for layout in layouts if accepted(layout)]
 
 
 def context_parallel_choices(model, tensor_parallel_size: int, largest: int) -> list[int]:
@@ -125,26 +157,29 @@ def context_parallel_choices(model, tensor_parallel_size: int, largest: int) -> 
 
 def _distinct_stages(counts: list[StageCount]) -> list[StageCount]:
     """1F1B: stages 0, 1 and the last: the middle stages repeat stage 1 with fewer micro-batches held (the blocks
-    divide evenly), so these three carry the peak memory and the slowest slot. DualPipeV: every rank (what each
-    holds in flight follows its own stream)."""
-    if counts and counts[0].phases:
+    divide evenly), so these three carry the peak memory and the slowest slot. DualPipeV, or stages of unequal
+    blocks: every rank (what each holds in flight follows its own stream; the middle stages differ)."""
+    if counts and (counts[0].phases or len({len(c.blocks) for c in counts[1:-1]}) > 1):
         return counts
     return [counts[i] for i in sorted({0, min(1, len(counts) - 1), len(counts) - 1})]
 
 
 def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumptions: Assumptions,
-                   counts: Callable[[int, int, str], list[StageCount]] | None = None) -> tuple[int, list[LayoutResult]]:
+                   counts: Callable[[int, int, str], list[StageCount]] | None = None,
+                   uneven_stages: bool = False) -> tuple[int, list[LayoutResult]]:
     """Every candidate layout at ``nodes``: (how many were tried, those that fit, fastest full-batch iteration
     first). ``counts(tp, pp, schedule)`` gives the ranks' parameter counts (default: count_stages, once per (tp, pp,
     schedule)); for a Mixture-of-Experts model ``counts(tp, pp, schedule, ep)`` (default:
-    planner.experts.count_expert_stages, once per (tp, pp, schedule, ep))."""
+    planner.experts.count_expert_stages, once per (tp, pp, schedule, ep)). ``uneven_stages``: PP sizes that do not
+    divide the layers too (candidate_layouts)."""
     cache: dict[tuple, list[StageCount]] = {}
     experts = config.model.moe is not None
 
     def default_counts(tp: int, pp: int, schedule: str, *ep: int) -> list[StageCount]:
         if experts:
-            return count_expert_stages(config.model, tp, pp, *ep, pipeline_schedule=schedule)
-        return count_stages(config.model, tp, pp, pipeline_schedule=schedule)
+            return count_expert_stages(config.model, tp, pp, *ep, pipeline_schedule=schedule,
+                                       uneven_stages=uneven_stages)
+        return count_stages(config.model, tp, pp, pipeline_schedule=schedule, uneven_stages=uneven_stages)
 
     def stages(tp: int, pp: int, schedule: str, ep: int) -> list[StageCount]:
         key = (tp, pp, schedule, ep) if experts else (tp, pp, schedule)
@@ -152,7 +187,7 @@ def search_layouts(config: RunConfig, nodes: int, hardware: Hardware, assumption
             cache[key] = _distinct_stages((counts or default_counts)(*key))
         return cache[key]
 
-    layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node)
+    layouts = candidate_layouts(config, nodes * hardware.gpus_per_node, hardware.gpus_per_node, uneven_stages)
     results = []
     for layout in layouts:
         candidate = layout_config(config, layout)

@@ -161,6 +161,8 @@ def hf_moe_config(family: str, config: ModelConfig):
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     moe = config.moe
+    if family == "deepseek_v3":
+        return hf_deepseek_v3_config(config)
     common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                   num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
                   max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
@@ -173,6 +175,30 @@ def hf_moe_config(family: str, config: ModelConfig):
     if family == "qwen2_moe":
         return Qwen2MoeConfig(**common, **sparsity, shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
     return Qwen3MoeConfig(**common, **sparsity, head_dim=config.head_dim)
+
+
+def hf_deepseek_v3_config(config: ModelConfig):
+    """transformers' DeepseekV3Config of the same numbers: MLA (q_lora_rank null gives its q_proj), the first
+    first_k_dense_replace blocks dense, n_shared_experts shared experts of moe_intermediate_size as one SwiGLU of
+    their sum (ours: shared_expert_ffn_hidden_size, no gate), the router's groups. No multi-token prediction layer
+    is built by DeepseekV3ForCausalLM, whatever num_nextn_predict_layers says."""
+    from transformers import DeepseekV3Config
+
+    moe = config.moe
+    assert moe.shared_expert_ffn_hidden_size % moe.moe_ffn_hidden_size == 0 and not moe.shared_expert_gate
+    assert moe.sparse_every == 1  # DeepSeek's blocks are sparse from first_k_dense_replace on
+    return DeepseekV3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        moe_intermediate_size=moe.moe_ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        n_shared_experts=moe.shared_expert_ffn_hidden_size // moe.moe_ffn_hidden_size, n_routed_experts=moe.num_experts,
+        routed_scaling_factor=moe.routed_scaling_factor, kv_lora_rank=config.kv_lora_rank,
+        q_lora_rank=config.q_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+        qk_nope_head_dim=config.qk_nope_head_dim, n_group=moe.n_group, topk_group=moe.topk_group,
+        num_experts_per_tok=moe.top_k, first_k_dense_replace=moe.first_dense_layers,
+        norm_topk_prob=moe.norm_topk_prob, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.layernorm_epsilon, tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.bias == "all")
 
 
 def hf_moe_counts(family: str, config: ModelConfig) -> tuple[int, int]:
@@ -282,3 +308,67 @@ def test_summary_prints_the_total_and_active_counts_of_a_moe_preset(capsys):
     padded = 2 * (32768 - 32000) * 4096  # the embedding and the head, 32000 rows padded to 32768 at TP 8
     assert (f"vocabulary padded to 32,768 for TP 8: {46_702_792_704 + padded:,} and {12_879_925_248 + padded:,}"
             in out)
+
+
+# ---------------------------------------------------------------------------------- DeepSeek-V3, Kimi-K2, Moonlight
+
+
+def test_deepseek_v3_preset_is_transformers_defaults():
+    """transformers' DeepseekV3Config defaults are DeepSeek-V3's numbers: the preset has each of them (the YaRN
+    rope_scaling and 163,840 positions, the released checkpoint's, are not among the defaults)."""
+    from transformers import DeepseekV3Config
+
+    hf, ours = DeepseekV3Config().to_dict(), hf_deepseek_v3_config(preset("deepseek-v3")).to_dict()
+    shape = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
+             "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+             "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
+             "norm_topk_prob", "rms_norm_eps", "tie_word_embeddings", "attention_bias"]
+    assert {key: ours[key] for key in shape} == {key: hf[key] for key in shape}
+    config = preset("deepseek-v3")
+    assert (config.rope_theta, config.rope_interleave, config.moe.router) == (
+        hf["rope_parameters"]["rope_theta"], hf["rope_interleave"], "sigmoid_bias")
+    assert config.rope_scaling["factor"] * config.rope_scaling["original_max_position_embeddings"] == \
+        config.max_position_embeddings == 163_840
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("deepseek-v3", 671_026_404_352, 37_552_282_624),  # the issue's: both embeddings, no MTP module
+    ("kimi-k2", 1_026_408_209_408, 32_861_477_888),  # "1T total, 32B activated" (its model card)
+    ("moonlight-16b-a3b", 15_960_108_544, 2_914_774_528),  # q_proj (no query latent), 2 shared experts
+    ("deepseek-tiny", None, None),
+])
+def test_deepseek_presets_have_the_parameters_of_transformers(name, total, active):
+    """transformers' DeepseekV3ForCausalLM of the same numbers on the meta device: its total, and its active count
+    (the total less (E - k) / E of its routed experts' tensors) equal ours; active as model/summary.py defines it
+    (top_k of the routed experts, the router, the shared expert, every dense parameter, both embeddings)."""
+    config = preset(name)
+    ours = tokenizer_vocabulary_total(config), tokenizer_vocabulary_active(config)
+    assert ours == hf_moe_counts("deepseek_v3", preset(name, make_vocab_size_divisible_by=1))
+    if total is not None:
+        assert ours == (total, active)
+
+
+def test_summary_prints_the_deepseek_v3_counts(capsys):
+    from model.summary import main
+
+    assert main(["--preset", "deepseek-v3", "--tp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "58 of 61 blocks sparse: 256 experts of ffn 2048, top 8, a shared expert of ffn 2048 (no gate)" in out
+    assert "total with the tokenizer's vocabulary (129,280; what transformers reports): 671,026,404,352\n" in out
+    assert ("active per token with the tokenizer's vocabulary (top 8 of 256 routed experts, the router and the shared "
+            "expert, every dense parameter, both embeddings): 37,552,282,624\n") in out
+
+
+def test_deepseek_v3_active_count_by_hand():
+    """37,552,282,624 = both embeddings + the final norm + 3 dense blocks + 58 sparse blocks of 9 experts (8 routed
+    and the shared one, no gate) and the router, each block MLA's 187,121,664 with its two norms."""
+    h, vocab = 7168, 129_280
+    attention = (h * 1536 + 1536 + 1536 * 128 * 192  # q_a_proj, q_a_layernorm, q_b_proj
+                 + h * (512 + 64) + 512 + 512 * 128 * (128 + 128)  # kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+                 + 128 * 128 * h + 2 * h)  # o_proj, the block's two norms
+    expert = 3 * h * 2048
+    dense, sparse_active = attention + 3 * h * 18432, attention + 256 * h + 9 * expert
+    assert attention == 187_121_664
+    assert 2 * vocab * h + h + 3 * dense + 58 * sparse_active == 37_552_282_624
+    assert 2 * vocab * h + h + 3 * dense + 58 * (sparse_active + 248 * expert) == 671_026_404_352

@@ -149,24 +149,27 @@ def test_dp_reduction_splits_dense_and_experts():
             2 * EXPERTS_PER_STAGE, 4, dp))
 
 
+def kept_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """The bytes of the storages a block's autograd nodes save for its backward (saved-tensor hooks; its parameters
+    and its input left out), its output counted."""
+    parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters and storage.data_ptr() != x.untyped_storage().data_ptr():
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    return sum(storages.values()) + out.untyped_storage().nbytes()
+
+
 def test_sparse_block_activations_are_what_the_block_saves():
     """The tensors a real block saves for its backward (saved-tensor hooks, CPU, TP 1, EP 1, micro-batch 2): in fp32
     the planner's sparse block is exact but for the aux loss's E + 1 floats (36 bytes); in bf16 the planner's dense
     block differs from CPU's (its kernels keep other tensors than CUDA's), by as much as the sparse block does."""
-    def kept(layer, x) -> int:
-        parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        storages = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in parameters and storage.data_ptr() != x.untyped_storage().data_ptr():
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x)
-        return sum(storages.values()) + out.untyped_storage().nbytes()
-
     shape = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, ffn_hidden_size=512,
                  seq_length=64)
     experts = [dict(num_experts=8, top_k=2, moe_ffn_hidden_size=128),
@@ -180,7 +183,7 @@ def test_sparse_block_activations_are_what_the_block_saves():
             x = torch.randn(2, 64, 256, dtype=dtype, requires_grad=True)
             planned = layer_activation_bytes(config, 2, 1, sequence_parallel=False, recompute="none",
                                              sparse=moe is not None)
-            gaps.append(kept(layer, x) - planned)
+            gaps.append(kept_bytes(layer, x) - planned)
         aux = 4 * 8 + 4  # the aux loss's mean probabilities (E fp32) and the loss
         if precision == "fp32":
             assert gaps == [0, aux, aux]

@@ -35,6 +35,7 @@ from planner import (
     Assumptions,
     Hardware,
     Storage,
+    check_run_layout,
     count_parameters,
     format_comparison,
     format_header,
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "micro-batch, sequence parallelism, recompute; EP for a Mixture-of-Experts model) and rank "
                         "those that fit by iteration time")
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print (10)")
+    parser.add_argument("--uneven-stages", action="store_true", help="plan a pipeline-parallel size that does not "
+                        "divide the layers (DeepSeek-V3's 61 over PP 16) as DeepSpeed's partition_balanced splits it, "
+                        "stages of unequal blocks, under 1F1B without recompute_num_layers; with --search try such "
+                        "sizes too. The trainer refuses these splits: a plan to compare, not a run to launch")
     parser.add_argument("--context-parallel", metavar="CP,CP,...", help="at one node count, the config's layout at "
                         "each of these Ulysses context-parallel sizes: its plan at the config's sequence length and "
                         "the longest sequence that fits (planner/context.py), e.g. 1,2,4,8")
@@ -141,7 +146,7 @@ def parse_iteration_seconds(text: str | None, nodes: list[int]) -> list[float | 
 def search(args: argparse.Namespace, config, nodes: list[int], hardware: Hardware, assumptions: Assumptions) -> int:
     if len(nodes) != 1:
         raise ValueError(f"--search takes one node count, got --nodes {args.nodes}")
-    tried, results = search_layouts(config, nodes[0], hardware, assumptions)
+    tried, results = search_layouts(config, nodes[0], hardware, assumptions, uneven_stages=args.uneven_stages)
     if args.json:
         print(json.dumps(search_to_dict(config, nodes[0], hardware, assumptions, tried, results, args.top), indent=1))
     else:
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     deepspeed_logs_to_stderr()  # counting the stages imports DeepSpeed, whose logger writes to stdout
     try:
-        config = load_run_config(args.ds_config, args.set)
+        config = load_run_config(args.ds_config, args.set, check_layout=False)
+        check_run_layout(config, args.uneven_stages)
         nodes = parse_list("--nodes", args.nodes, int)
         measured = parse_iteration_seconds(args.iteration_seconds, nodes)
         hardware = hardware_from_args(args)
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.context_parallel:
             return context_parallel(args, config, nodes, hardware, assumptions)
         storage = Storage(**{name: getattr(args, name) for name in STORAGE_FLAGS.values()})
-        parameters = count_parameters(config)
+        parameters = count_parameters(config, args.uneven_stages)
         plans = [plan_cluster(config, n, hardware, assumptions, parameters, seconds, storage)
                  for n, seconds in zip(nodes, measured, strict=True)]
     except ValueError as error:
