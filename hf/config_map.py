@@ -3,8 +3,9 @@ export writes.
 
 An HF config.json is read with the transformers config class of its architecture (its defaults for keys an older file
 lacks), then checked: an option this project's GPT does not have (a sliding window shorter than the context, a
-rope_scaling other than llama3, attention biases on some projections only, ...) is refused naming the key. ``model_fields_from_hf`` gives the
-ModelConfig fields it fixes; ``check_model_matches`` names every field a run config's model block has otherwise.
+rope_scaling other than llama3 or yarn, attention biases on some projections only, a quantization other than
+DeepSeek's block-scaled fp8, ...) is refused naming the key. ``model_fields_from_hf`` gives the ModelConfig fields it
+fixes; ``check_model_matches`` names every field a run config's model block has otherwise.
 
 The experts of Mixtral, Qwen2-MoE and Qwen3-MoE (the model.moe block, MoEConfig):
 
@@ -21,6 +22,36 @@ The experts of Mixtral, Qwen2-MoE and Qwen3-MoE (the model.moe block, MoEConfig)
 
 output_router_logits changes nothing here. The z-loss coefficient and the capacity are no part of an HF config: an
 export leaves them out (the exported model routes dropless), an import takes the defaults.
+
+DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2, Moonlight; model.attention_type "mla"):
+
+    HF config.json                                       model
+    q_lora_rank (null: q_proj), kv_lora_rank,            the same fields (head_dim is qk_nope + qk_rope, the key/value
+      qk_nope_head_dim, qk_rope_head_dim, v_head_dim,      heads the query heads: HF's head_dim, qk_rope_head_dim, is
+      rope_interleave                                      not ours)
+    rope_parameters (rope_scaling, rope_theta): yarn     rope_theta, rope_scaling {"rope_type": "yarn", factor,
+      with factor, mscale, mscale_all_dim, ...             original_max_position_embeddings, mscale, mscale_all_dim,
+                                                           beta_fast, beta_slow, ...} as transformers reads them
+    attention_bias                                       bias "all" (every block sparse), else "none"
+    intermediate_size (the dense blocks')                ffn_hidden_size
+    n_routed_experts                                     moe.num_experts
+    num_experts_per_tok                                  moe.top_k
+    moe_intermediate_size                                moe.moe_ffn_hidden_size
+    n_shared_experts x moe_intermediate_size             moe.shared_expert_ffn_hidden_size, shared_expert_gate false
+    norm_topk_prob, routed_scaling_factor, n_group,      the same fields of model.moe, router "sigmoid_bias"
+      topk_group
+    first_k_dense_replace k                              moe.first_dense_layers k (sparse_every 1); k >= layers: no
+                                                           model.moe (a dense MLA model)
+    num_nextn_predict_layers                             none: the multi-token prediction layer is skipped on import
+                                                           (hf/importer.py); an export writes 0
+    quantization_config (fp8, weight_block_size)         none: the weights are dequantised on import; an export
+                                                           writes unquantised weights and no quantization_config
+
+Refused by key: scoring_func other than "sigmoid", topk_method other than "noaux_tc", moe_layer_freq other than 1
+(the keys of DeepSeek's own config class, which transformers' lacks and ignores), n_group / topk_group null,
+n_shared_experts 0, num_key_value_heads other than the heads, attention_bias with dense blocks. No DeepseekV3 key
+holds an aux-loss coefficient that transformers reads (aux_loss_alpha, seq_aux belong to DeepSeek's own code): an
+import takes model.moe's defaults for the losses.
 """
 
 from __future__ import annotations
@@ -34,11 +65,12 @@ import torch
 
 from hf.tables import ARCHITECTURES, Architecture, compatible_architectures, resolve_architecture
 from model.config import SCALING_KEYS, YARN_OPTIONAL_KEYS, ModelConfig, MoEConfig, set_option
+from model.config.attention import MLA_FIELDS
 
 ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                       "gelu_fast": "gelu_tanh"}  # the three tanh approximations agree to ~1e-7
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MOE_FUNCTION_FIELDS = ("num_experts", "top_k", "moe_ffn_hidden_size", "router", "norm_topk_prob",
                        "routed_scaling_factor", "n_group", "topk_group", "shared_expert_ffn_hidden_size",
                        "shared_expert_gate", "sparse_every", "first_dense_layers")
@@ -95,6 +127,9 @@ def _llama_family_config(config: ModelConfig, dtype: torch.dtype, architecture: 
     elif architecture.model_type == "qwen3_moe":
         fields.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
                       **_moe_hf_fields(config, "qwen3_moe"))
+    elif architecture.model_type == "deepseek_v3":  # its head_dim is qk_rope_head_dim, set by DeepseekV3Config
+        del fields["head_dim"]
+        fields.update(_deepseek_v3_hf_fields(config))
     else:  # qwen2: the q, k, v biases are always there; no sliding window
         fields.update(use_sliding_window=False, sliding_window=None)
     return AutoConfig.for_model(architecture.model_type, **fields)
@@ -115,11 +150,25 @@ def _moe_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
     return fields
 
 
+def _deepseek_v3_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """MLA's and DeepSeek's experts' keys (the module docstring's table); a dense model's blocks all dense."""
+    fields = {name: getattr(config, name) for name in MLA_FIELDS}
+    fields.update(attention_bias=config.bias == "all", num_nextn_predict_layers=0)
+    moe = config.moe
+    if moe is None:
+        return {**fields, "first_k_dense_replace": config.num_layers}
+    return {**fields, "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.moe_ffn_hidden_size,
+            "n_shared_experts": moe.shared_expert_ffn_hidden_size // moe.moe_ffn_hidden_size,
+            "norm_topk_prob": moe.norm_topk_prob, "routed_scaling_factor": moe.routed_scaling_factor,
+            "n_group": moe.n_group, "topk_group": moe.topk_group, "first_k_dense_replace": moe.first_dense_layers}
+
+
 
 def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
     """From config.json's ``architectures`` (or, without it, ``model_type``)."""
     architectures = raw.get("architectures") or []
-    by_type = [a for a in ARCHITECTURES.values() if a.model_type == raw.get("model_type")]
+    by_type = [a for a in ARCHITECTURES.values() if raw.get("model_type") in (a.model_type, *a.model_type_aliases)]
     if len(architectures) == 1 and architectures[0] in ARCHITECTURES:
         architecture = ARCHITECTURES[architectures[0]]
     elif not architectures and len(by_type) == 1:
@@ -128,7 +177,7 @@ def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
         raise ValueError(f"{path}: architecture {architectures or raw.get('model_type')!r} is not supported: only "
                          f"{', '.join(f'{a.name} (model_type {a.model_type})' for a in ARCHITECTURES.values())} "
                          f"convert to this project's GPT")
-    if raw.get("model_type") not in (None, architecture.model_type):
+    if raw.get("model_type") not in (None, architecture.model_type, *architecture.model_type_aliases):
         raise ValueError(f"{path}: architectures says {architecture.name} but model_type is {raw['model_type']!r}, "
                          f"not {architecture.model_type!r}")
     return architecture
@@ -136,8 +185,9 @@ def _architecture_of_config(path: Path, raw: dict[str, Any]) -> Architecture:
 
 def read_hf_config(hf_dir: str | Path):
     """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig,
-    Qwen2MoeConfig, Qwen3MoeConfig) of an HF model directory; ValueError for any other architecture or an option this
-    project's GPT does not have, naming the key."""
+    Qwen2MoeConfig, Qwen3MoeConfig, DeepseekV3Config) of an HF model directory; ValueError for any other architecture
+    or an option this project's GPT does not have, naming the key. An alias model_type (Kimi-K2's "kimi_k2") is read
+    as its architecture's."""
     path = Path(hf_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -148,7 +198,9 @@ def read_hf_config(hf_dir: str | Path):
     architecture = _architecture_of_config(path, raw)
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[architecture.model_type].from_dict(raw)  # its defaults for keys an older file lacks
+    # its defaults for keys an older file lacks; the model_type its class's (an alias would stick to the instance)
+    config = CONFIG_MAPPING[architecture.model_type].from_dict({**raw, "model_type": architecture.model_type})
+    fp8_block_size(config, path)  # checks quantization_config
     if architecture.model_type == "gpt2":
         _check_gpt2_options(path, config)
     else:
@@ -210,6 +262,8 @@ def _check_llama_family_options(path: Path, config, architecture: Architecture) 
         unsupported["attention_bias"] = (attention_bias, "Qwen3 models convert without attention biases only")
     if architecture.model_type in MOE_MODEL_TYPES:
         unsupported.update(_unsupported_moe_options(config))
+    if architecture.model_type == "deepseek_v3":
+        unsupported.update(_unsupported_deepseek_v3_options(config))
     for key, (bad, why) in unsupported.items():
         if bad:
             raise ValueError(f"{path}: {key} = {getattr(config, key, None)!r} has no equivalent in this project's "
@@ -230,6 +284,60 @@ def _unsupported_moe_options(config) -> dict[str, tuple[bool, str]]:
     }
 
 
+def _unsupported_deepseek_v3_options(config) -> dict[str, tuple[bool, str]]:
+    """The keys of a DeepseekV3 config with no equivalent here. scoring_func, topk_method and moe_layer_freq are keys
+    of DeepSeek's own config class (its checkpoints carry them), which transformers' lacks and ignores."""
+    sparse = config.first_k_dense_replace < config.num_hidden_layers
+    heads = config.num_attention_heads
+    return {
+        "attention_bias": (config.attention_bias and config.first_k_dense_replace > 0,
+                           "attention_bias is bias \"all\" here, which gives the dense blocks' MLP biases that "
+                           "DeepseekV3MLP has not: only with first_k_dense_replace 0 (every block sparse)"),
+        "num_key_value_heads": (config.num_key_value_heads not in (None, heads),
+                                f"under multi-head latent attention every query head has its own key and value, "
+                                f"expanded from the shared latent: only num_attention_heads ({heads})"),
+        "scoring_func": (getattr(config, "scoring_func", "sigmoid") != "sigmoid",
+                         "the router here scores by sigmoid, as DeepseekV3TopkRouter does (model.moe.router "
+                         "\"sigmoid_bias\"); softmax scoring is DeepSeek-V2's, no DeepseekV3ForCausalLM"),
+        "topk_method": (getattr(config, "topk_method", "noaux_tc") != "noaux_tc",
+                        "the router here takes the top k of the bias-corrected scores in the best groups (noaux_tc, "
+                        "as DeepseekV3TopkRouter); DeepSeek-V2's greedy and group_limited_greedy are not built"),
+        "moe_layer_freq": (getattr(config, "moe_layer_freq", 1) != 1,
+                           "transformers' DeepseekV3 makes every block after first_k_dense_replace sparse whatever "
+                           "this says, DeepSeek's own code every moe_layer_freq-th: only 1, where they agree"),
+        "n_group": (sparse and config.n_group is None, "DeepseekV3TopkRouter groups the experts by it: give an "
+                                                       "integer (1: no groups)"),
+        "topk_group": (sparse and config.topk_group is None, "DeepseekV3TopkRouter keeps this many groups: give an "
+                                                             "integer (n_group: every group)"),
+        "n_shared_experts": (sparse and not config.n_shared_experts,
+                             "a DeepseekV3 MoE block always has its shared experts: only >= 1"),
+    }
+
+
+def fp8_block_size(config, source: str | Path = "config.json") -> tuple[int, int] | None:
+    """(rows, columns) of the block each scale of a block-scaled fp8 checkpoint covers (DeepSeek-V3's
+    quantization_config: quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]), None for an unquantised one;
+    ValueError for any other quantization, naming the key. hf/importer.py dequantises such weights as it reads them."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):  # a transformers QuantizationConfig object
+        quantization = quantization.to_dict()
+    block = quantization.get("weight_block_size")
+    checks = {"quant_method": quantization.get("quant_method") == "fp8",
+              "fmt": quantization.get("fmt", "e4m3") == "e4m3",
+              "weight_block_size": isinstance(block, (list, tuple)) and len(block) == 2
+              and all(isinstance(size, int) and size > 0 for size in block)}
+    for key, fits in checks.items():
+        if not fits:
+            raise ValueError(f"{source}: quantization_config.{key} = {quantization.get(key)!r} is not read here: only "
+                             f"DeepSeek's block-scaled fp8 converts (quant_method \"fp8\", fmt \"e4m3\", "
+                             f"weight_block_size [rows, columns]: each weight float8_e4m3fn, its weight_scale_inv one "
+                             f"fp32 scale per block), dequantised on import; dequantise the checkpoint first, or "
+                             f"import its unquantised release")
+    return int(block[0]), int(block[1])
+
+
 def architecture_of(config) -> Architecture:
     """The Architecture of a transformers config read by read_hf_config."""
     names = getattr(config, "architectures", None) or []
@@ -246,7 +354,8 @@ def model_fields_from_hf(config) -> dict[str, Any]:
                 "ffn_hidden_size": config.n_inner or 4 * config.n_embd, "layernorm_epsilon": config.layer_norm_epsilon,
                 "activation": ACTIVATION_FROM_HF[config.activation_function], "position_embedding": "learned",
                 "norm": "layernorm", "mlp": "gelu", "num_key_value_heads": config.n_head, "tie_word_embeddings": True,
-                "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False, "moe": None}
+                "bias": "all", "head_dim": config.n_embd // config.n_head, "qk_layernorm": False, "moe": None,
+                **_attention_fields(config)}
     rope = _hf_rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     kept = SCALING_KEYS.get(kind, ()) + (YARN_OPTIONAL_KEYS if kind == "yarn" else ())
@@ -266,13 +375,27 @@ def model_fields_from_hf(config) -> dict[str, Any]:
             "position_embedding": "rope", "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
             "norm": "rmsnorm", "mlp": "swiglu", "tie_word_embeddings": bool(config.tie_word_embeddings), "bias": bias,
             "head_dim": head_dim, "qk_layernorm": config.model_type in ("qwen3", "qwen3_moe"),
-            "moe": _moe_fields_from_hf(config)}
+            "moe": _moe_fields_from_hf(config), **_attention_fields(config)}
+
+
+def _attention_fields(config) -> dict[str, Any]:
+    """model.attention_type and MLA's fields (null but under MLA). Under MLA head_dim is qk_nope + qk_rope (HF's
+    head_dim is the rope part) and the key/value heads are the query heads; transformers' forward takes a null
+    rope_interleave as false (rotate_half), and so does this."""
+    if config.model_type != "deepseek_v3":
+        return {"attention_type": "mha", **dict.fromkeys(MLA_FIELDS)}
+    fields = {name: getattr(config, name) for name in MLA_FIELDS}
+    return {**fields, "attention_type": "mla", "rope_interleave": bool(config.rope_interleave),
+            "head_dim": config.qk_nope_head_dim + config.qk_rope_head_dim,
+            "num_key_value_heads": config.num_attention_heads}
 
 
 def _moe_fields_from_hf(config) -> dict[str, Any] | None:
     """model.moe of an HF config (the module docstring's table); None for a dense model."""
     if config.model_type not in MOE_MODEL_TYPES:
         return None
+    if config.model_type == "deepseek_v3":
+        return _deepseek_v3_moe_fields(config)
     top_k = config.num_experts_per_tok
     fields = dict(num_experts=config.num_experts, top_k=top_k, router="softmax",
                   aux_loss_coeff=config.router_aux_loss_coef * top_k)
@@ -283,6 +406,19 @@ def _moe_fields_from_hf(config) -> dict[str, Any] | None:
     return dict(fields, moe_ffn_hidden_size=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
                 shared_expert_ffn_hidden_size=shared, sparse_every=config.decoder_sparse_step,
                 first_dense_layers=len(set(config.mlp_only_layers or [])))
+
+
+def _deepseek_v3_moe_fields(config) -> dict[str, Any] | None:
+    """DeepSeek's experts (the module docstring's table); None when first_k_dense_replace leaves no block sparse. The
+    losses' coefficients are no key transformers reads: model.moe's defaults."""
+    if config.first_k_dense_replace >= config.num_hidden_layers:
+        return None
+    return dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+                moe_ffn_hidden_size=config.moe_intermediate_size, router="sigmoid_bias",
+                norm_topk_prob=bool(config.norm_topk_prob), routed_scaling_factor=float(config.routed_scaling_factor),
+                n_group=config.n_group, topk_group=config.topk_group,
+                shared_expert_ffn_hidden_size=config.n_shared_experts * config.moe_intermediate_size,
+                shared_expert_gate=False, sparse_every=1, first_dense_layers=config.first_k_dense_replace)
 
 
 def _differences(model: ModelConfig, wanted: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

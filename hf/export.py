@@ -19,6 +19,7 @@ from hf.importer import read_import_record
 from hf.safetensors_writer import SafetensorsShardWriter, parse_size
 from hf.tables import (
     ARCHITECTURES,
+    FP32_TENSORS,
     PRECISION_DTYPES,
     Architecture,
     compatible_architectures,
@@ -52,7 +53,8 @@ def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str
     carried in, else GPT-2's).
 
     One layer is read, merged and written at a time. The directory is written beside ``output_dir`` and renamed
-    into place when complete. ``dtype`` defaults to the training precision.
+    into place when complete. ``dtype`` defaults to the training precision; the tensors of ``FP32_TENSORS`` (the
+    DeepSeek router's e_score_correction_bias) are fp32 whatever it is. The weights are never quantised.
     """
     checkpoint = open_checkpoint(checkpoint_dir, tag)
     config, output = checkpoint.model, Path(output_dir)
@@ -69,7 +71,9 @@ def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str
         hf.save_pretrained(str(staging))
         _generation_config(hf).save_pretrained(str(staging))
         maps = layer_maps(config, target)
-        writer = SafetensorsShardWriter(staging, hf_shapes(config, target), dtype, max_bytes)
+        kept_fp32 = {name: torch.float32 for layer in maps for tensor in layer.tensors if tensor.ours in FP32_TENSORS
+                     for name in tensor.hf_names}
+        writer = SafetensorsShardWriter(staging, hf_shapes(config, target), dtype, max_bytes, kept_fp32)
         for layer in progress_bar(maps, f"export {checkpoint.tag}", progress):
             shards = read_layer(checkpoint, layer)
             for tensor in layer.tensors:

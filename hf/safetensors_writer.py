@@ -39,20 +39,21 @@ class SafetensorsShardWriter:
     """Writes tensors whose names and shapes are known up front, one at a time and in that order, into safetensors
     files of at most ``max_shard_bytes`` each (a bigger tensor gets a file of its own), plus the index that
     ``from_pretrained`` reads when there is more than one file. Each file's header is written first, so no tensor is
-    held after ``write`` returns."""
+    held after ``write`` returns. Every tensor is written in ``dtype``, those named in ``dtypes`` in theirs."""
 
     def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 max_shard_bytes: int) -> None:
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"cannot write dtype {dtype} to safetensors: use one of {list(SAFETENSORS_DTYPES)}")
-        self.directory, self.shapes, self.dtype = Path(directory), shapes, dtype
-        self.element_size = torch.empty((), dtype=dtype).element_size()
+                 max_shard_bytes: int, dtypes: dict[str, torch.dtype] | None = None) -> None:
+        self.dtypes = {name: (dtypes or {}).get(name, dtype) for name in shapes}
+        for each in {dtype, *self.dtypes.values()}:
+            if each not in SAFETENSORS_DTYPES:
+                raise ValueError(f"cannot write dtype {each} to safetensors: use one of {list(SAFETENSORS_DTYPES)}")
+        self.directory, self.shapes = Path(directory), shapes
         self.files = self._plan(max_shard_bytes)
         self.order = [name for names in self.files for name in names]
         self.position, self.file_number, self.handle = 0, -1, None
 
     def _bytes(self, name: str) -> int:
-        return self.element_size * int(torch.Size(self.shapes[name]).numel())
+        return self.dtypes[name].itemsize * int(torch.Size(self.shapes[name]).numel())
 
     def _plan(self, max_shard_bytes: int) -> list[list[str]]:
         files, size = [[]], 0
@@ -73,7 +74,7 @@ class SafetensorsShardWriter:
         entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name in names:
-            entries[name] = {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": list(self.shapes[name]),
+            entries[name] = {"dtype": SAFETENSORS_DTYPES[self.dtypes[name]], "shape": list(self.shapes[name]),
                              "data_offsets": [offset, offset + self._bytes(name)]}
             offset += self._bytes(name)
         header = json.dumps(entries, separators=(",", ":")).encode()
@@ -88,7 +89,7 @@ class SafetensorsShardWriter:
             raise RuntimeError(f"safetensors writer: {name} has shape {tuple(tensor.shape)}, planned {self.shapes[name]}")
         if self.file_number + 1 < len(self.files) and name == self.files[self.file_number + 1][0]:
             self._next_file()
-        data = tensor.detach().to(self.dtype).contiguous().reshape(-1)
+        data = tensor.detach().to(self.dtypes[name]).contiguous().reshape(-1)
         self.handle.write(data.view(torch.uint8).numpy().data)
         self.position += 1
 

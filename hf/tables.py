@@ -17,6 +17,18 @@ MoE block, model/moe.py, the others keep the dense SwiGLU MLP):
                          dense blocks where decoder_sparse_step / mlp_only_layers (a prefix) say
     Qwen3MoeForCausalLM  as Qwen3; no shared expert; dense blocks as Qwen2-MoE's
 
+and one with multi-head latent attention (model.attention_type "mla", model/mla.py), its MoE DeepSeek's (router
+"sigmoid_bias": e_score_correction_bias is the router's expert_bias buffer, kept fp32 both sides, ``FP32_TENSORS``):
+
+    DeepseekV3ForCausalLM  DeepSeek-V3, Kimi-K2 (model_type "kimi_k2"), Moonlight: rope (YaRN with mscale or none),
+                           rmsnorm, swiglu; q_lora_rank set (q_a_proj, q_a_layernorm, q_b_proj) or null (q_proj);
+                           every MLA tensor copied as it is (the same names and per-head row layout; rope_interleave
+                           changes the forward, not the weights); the first first_dense_layers blocks dense, the others
+                           sparse with an ungated shared expert (shared_experts); tied or untied head; bias "none", or
+                           "all" (attention_bias) where no block is dense. Dense MLA models convert too (every block
+                           dense: first_k_dense_replace = num_hidden_layers). Its multi-token prediction layer
+                           (model.layers.{num_hidden_layers}) is skipped on import, with a notice (hf/importer.py)
+
 Each architecture is one table below (``ARCHITECTURES``): our (layer, tensor) -> the HF name(s), ``{}`` standing for
 the block index and ``{expert}`` for the expert (one HF tensor, or gate and up, per expert), and the name of the
 transform (hf/transforms.py) that turns one into the other. The expert names are those transformers (5.x) writes
@@ -26,11 +38,10 @@ with its tensors, shapes and TP split; the layer index is the XX of layer_XX fil
 2..L+1 blocks, L+2 final norm, L+3 the untied head.
 
 The layer maps describe every tensor of our layer files, parameters and persistent buffers, for any shape: a shape
-no architecture fits (a mixed shape, the "sigmoid_bias" router) still has them, its tensors without HF names, so that
-reading a checkpoint, resharding it and evaluating it work (evaluation/loading.py). What needs HF names (the export,
-the import, ``hf_shapes``, ``hf_config``) resolves an architecture first and refuses such a shape in one line
-(``resolve_architecture``). Multi-head latent attention (model.attention_type "mla", model/mla.py) is such a shape
-until DeepseekV3's table is written: its tensors are in the layer maps, no architecture fits it.
+no architecture fits (a mixed shape, the "sigmoid_bias" router without MLA) still has them, its tensors without HF
+names, so that reading a checkpoint, resharding it and evaluating it work (evaluation/loading.py). What needs HF names
+(the export, the import, ``hf_shapes``, ``hf_config``) resolves an architecture first and refuses such a shape in one
+line (``resolve_architecture``).
 """
 
 from __future__ import annotations
@@ -49,9 +60,9 @@ for the code that imports it from hf."""
 
 # Our tensors, by (layer kind, state_dict key): unsharded dims (symbols of ``_dimensions``) and the dimension split
 # over TP ranks (None: replicated). Which of them a model has follows from its config (``_our_keys``), whether or not
-# an HF architecture has a name for them (the sigmoid_bias router's expert_bias has none). The dims also say how the
-# shards join (hf/transforms.py merge_shards): a split "padded_vocab" carries padding rows for the TP size, a split
-# "2f" / "2fe" / "2fs" holds each rank's [gate_r; up_r], any other split dimension is cut in rank order.
+# an HF architecture has a name for them (the sigmoid_bias router's expert_bias has one in DeepseekV3 only). The dims
+# also say how the shards join (hf/transforms.py merge_shards): a split "padded_vocab" carries padding rows for the TP
+# size, a split "2f" / "2fe" / "2fs" holds each rank's [gate_r; up_r], any other split dimension is cut in rank order.
 OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("embedding", "weight"): (("padded_vocab", "h"), 0),
     ("positions", "weight"): (("positions", "h"), None),
@@ -166,6 +177,21 @@ QWEN2_MOE_TENSORS = {**LLAMA_TENSORS, **_QWEN_EXPERTS,  # the dense blocks' MLP 
                      ("block", "mlp.block.shared_expert.down"): (_QWEN_MOE + "shared_expert.down_proj.weight", "copy"),
                      ("block", "mlp.block.shared_expert.gate"): (_QWEN_MOE + "shared_expert_gate.weight", "copy")}
 QWEN3_MOE_TENSORS = {**QWEN3_TENSORS, **_QWEN_EXPERTS}
+_LATENT_ATTENTION = {  # model/mla.py names its projections as DeepseekV3Attention does; rows whole heads in both
+    ("block", f"attention.{name}"): (_ATTENTION + name, "copy") for name in (
+        "q_proj.weight", "q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight", "kv_b_proj.weight")}
+DEEPSEEK_V3_TENSORS = {  # Llama's embedding, norms, o_proj, dense MLP and head; Qwen-MoE's router and experts
+    **{key: value for key, value in LLAMA_TENSORS.items()
+       if key[1] not in ("attention.qkv.weight", "attention.qkv.bias", "mlp.gate_up.bias", "mlp.down.bias")},
+    **_LATENT_ATTENTION, **_QWEN_EXPERTS,
+    ("block", "mlp.block.router.expert_bias"): (_QWEN_MOE + "gate.e_score_correction_bias", "copy"),
+    ("block", "mlp.block.shared_expert.gate_up"): ((_QWEN_MOE + "shared_experts.gate_proj.weight",
+                                                   _QWEN_MOE + "shared_experts.up_proj.weight"), "gate_up"),
+    ("block", "mlp.block.shared_expert.down"): (_QWEN_MOE + "shared_experts.down_proj.weight", "copy")}
+FP32_TENSORS = frozenset({"mlp.block.router.expert_bias"})
+"""Our tensors that stay fp32 whatever model.precision (model/moe.py keep_router_biases_fp32): an import writes them
+fp32 and an export too (transformers keeps e_score_correction_bias fp32 as well)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +206,9 @@ class Architecture:
     tensors: dict[tuple[str, str], tuple[str | tuple[str, ...], str]]
     """(our layer kind, our key) -> (HF name or names, ``{}`` for the block index, ``{expert}`` for the expert;
     transform name)."""
+    model_type_aliases: tuple[str, ...] = ()
+    """Other config.json model_type values of checkpoints of this architecture, read with its config class (Kimi-K2:
+    "kimi_k2", a DeepseekV3ForCausalLM)."""
 
 
 ARCHITECTURES = {arch.name: arch for arch in (
@@ -191,16 +220,17 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture("MixtralForCausalLM", "mixtral", "model.", MIXTRAL_TENSORS),
     Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "model.", QWEN2_MOE_TENSORS),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "model.", QWEN3_MOE_TENSORS),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "model.", DEEPSEEK_V3_TENSORS, ("kimi_k2",)),
 )}
 
 
 def compatible_architectures(config: ModelConfig) -> list[Architecture]:
     """The HF architectures that compute this model's function, preferred first (none for a mixed shape).
 
-    GPT-2 and Qwen2 have no head_dim of their own (hidden_size / heads); only Qwen3 has the q/k norms. No table maps
-    multi-head latent attention yet (DeepseekV3's)."""
+    GPT-2 and Qwen2 have no head_dim of their own (hidden_size / heads); only Qwen3 has the q/k norms; only
+    DeepseekV3 has multi-head latent attention."""
     if config.attention_type == "mla":
-        return []
+        return [ARCHITECTURES["DeepseekV3ForCausalLM"]] if _fits_deepseek_v3(config) else []
     default_head_dim = config.head_dim * config.num_attention_heads == config.hidden_size
     if (config.position_embedding, config.norm, config.mlp, config.tie_word_embeddings, config.bias,
             config.qk_layernorm) == ("learned", "layernorm", "gelu", True, "all", False) and (
@@ -237,11 +267,39 @@ def _moe_architectures(config: ModelConfig, default_head_dim: bool) -> list[Arch
     return [ARCHITECTURES[name]] if fits else []
 
 
+def _fits_deepseek_v3(config: ModelConfig) -> bool:
+    """An MLA model is a DeepseekV3ForCausalLM with RoPE, RMSNorm and SwiGLU, and, when it has experts, DeepSeek's:
+    the "sigmoid_bias" router, an ungated shared expert n_shared_experts x moe_ffn_hidden_size wide, every block
+    sparse after the first first_dense_layers (first_k_dense_replace). Biases "none", or "all" (attention_bias: q_a,
+    kv_a and o_proj) where no block is dense: DeepseekV3MLP has no bias, our dense MLP would."""
+    if (config.position_embedding, config.norm, config.mlp) != ("rope", "rmsnorm", "swiglu"):
+        return False
+    moe = config.moe
+    if moe is None:
+        return config.bias == "none"
+    shared = moe.shared_expert_ffn_hidden_size
+    return (moe.router == "sigmoid_bias" and not moe.shared_expert_gate and shared > 0
+            and shared % moe.moe_ffn_hidden_size == 0 and moe.sparse_every == 1
+            and (config.bias == "none" or moe.first_dense_layers == 0))
+
+
+def _no_latent_attention_architecture_message(config: ModelConfig) -> str:
+    fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "bias")}
+    shape = ", ".join(f"model.{k} = {v!r}" for k, v in fields.items())
+    if config.moe is not None:
+        shape += ", " + ", ".join(f"model.moe.{key} = {getattr(config.moe, key)!r}" for key in (
+            "router", "shared_expert_ffn_hidden_size", "moe_ffn_hidden_size", "shared_expert_gate", "sparse_every",
+            "first_dense_layers"))
+    return (f"this multi-head latent attention model's shape ({shape}) is no DeepseekV3ForCausalLM, the one Hugging "
+            f"Face architecture with MLA: it needs rope/rmsnorm/swiglu, bias none (or all with every block sparse), "
+            f"and experts (if any) routed by \"sigmoid_bias\" with an ungated shared expert (shared_expert_gate false) "
+            f"a multiple of moe_ffn_hidden_size wide in every block after first_dense_layers (sparse_every 1): "
+            f"evaluate or generate from the checkpoint itself (tools/evaluate.py, tools/generate.py, any TP x PP)")
+
+
 def _no_architecture_message(config: ModelConfig) -> str:
     if config.attention_type == "mla":
-        return ("model.attention_type \"mla\" has no Hugging Face conversion yet (DeepseekV3's tensor table is not "
-                "written): evaluate the checkpoint itself (tools/evaluate.py, any TP x PP), or train with "
-                "attention_type \"mha\" for a model that exports")
+        return _no_latent_attention_architecture_message(config)
     fields = {key: getattr(config, key) for key in ("position_embedding", "norm", "mlp", "tie_word_embeddings",
                                                     "bias", "num_key_value_heads", "head_dim", "qk_layernorm")}
     shape = ", ".join(f"model.{k} = {v!r}" for k, v in fields.items())
@@ -250,10 +308,11 @@ def _no_architecture_message(config: ModelConfig) -> str:
             "router", "norm_topk_prob", "shared_expert_ffn_hidden_size", "sparse_every", "first_dense_layers"))
         if config.moe.router != "softmax":  # the one field no architecture has: say so first, with the fix
             return (f"this Mixture-of-Experts model's shape ({shape}, {experts}) is no Hugging Face architecture "
-                    f"converted here: model.moe.router {config.moe.router!r} has none (its expert_bias buffer has no "
-                    f"HF tensor; Mixtral, Qwen2-MoE and Qwen3-MoE route by softmax): evaluate or generate from the "
-                    f"checkpoint itself (tools/evaluate.py, tools/generate.py, any TP x PP), or train with "
-                    f"{set_option('model.moe.router', 'softmax')} for a model that exports")
+                    f"converted here: model.moe.router {config.moe.router!r} has none without multi-head latent "
+                    f"attention (DeepseekV3ForCausalLM's, model.attention_type \"mla\"; Mixtral, Qwen2-MoE and "
+                    f"Qwen3-MoE route by softmax): evaluate or generate from the checkpoint itself (tools/evaluate.py, "
+                    f"tools/generate.py, any TP x PP), or train with {set_option('model.moe.router', 'softmax')} for a "
+                    f"model that exports")
         return (f"this Mixture-of-Experts model's shape ({shape}, {experts}) is no Hugging Face architecture "
                 f"converted here: all need router \"softmax\"; Mixtral bias none, no qk_layernorm, no shared expert, "
                 f"norm_topk_prob true and every block sparse; Qwen2-MoE a shared expert, bias qkv or none, no "

@@ -1,4 +1,5 @@
-"""Hugging Face interop for Mixture-of-Experts: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM.
+"""Hugging Face interop for Mixture-of-Experts: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
+DeepseekV3ForCausalLM.
 
 Each architecture as a random HF model (4 layers, hidden 64, 4 query heads in 2 key/value groups, GPT-2's
 vocabulary so that the shipped tokenizer fits), every tensor random (norm weights, biases and routers too, so that a
@@ -9,15 +10,20 @@ misplaced one shows), saved by transformers' save_pretrained (its per-expert ten
                q/k/v biases, decoder_sparse_step 2 (blocks 2 and 4 sparse, 1 and 3 dense of width 96), tied head
     Qwen3-MoE  8 experts of width 32, top 4 renormalised, q/k norms, head_dim 24 (not hidden / heads),
                mlp_only_layers [0] (block 1 dense), untied head
+    DeepSeek-V3  multi-head latent attention (q latent 32, kv latent 32, q/k 16 + 8 rope, v 16, rope interleaved),
+               YaRN (factor 4 over 32 positions, mscale 1, mscale_all_dim 0.707); 8 experts of width 32 in 4 groups,
+               top 2 of the best 2 groups, renormalised x 2.5, a random e_score_correction_bias, an ungated shared
+               expert of width 32; first_k_dense_replace 2 (blocks 1, 2 dense of width 96); untied head
 
 - HF -> here (hf/importer.py, TP 2 x PP 2) -> HF (hf/export.py) gives back every tensor bit for bit, under the same
   names (the conversion only copies, slices and stacks), and the export loads in transformers with no missing or
   unexpected key.
 - The imported checkpoints, loaded into the training engine at TP 2 x PP 2 x DP 2 with EP 2 and saved there (8 gloo
-  processes, one launch for the three), export bit for bit again, and read at TP 2 x PP 2 by the evaluation code
+  processes, one launch for the four), export bit for bit again, and read at TP 2 x PP 2 by the evaluation code
   (evaluation/loading.py) give transformers' logits (its eager experts) within 1e-4 in fp32: the row-parallel
   layers sum TP partial products, so the rounding differs; the measured differences are printed.
-- model.from_hf reads each config.json into the expected model.moe (MoEConfig).
+- model.from_hf reads each config.json into the expected model.moe (MoEConfig), DeepSeek-V3's into the MLA fields and
+  YaRN's scaling too. Its other shapes, fp8 weights and refused keys: tests/test_hf_deepseek.py.
 - Single-process: the expert tensors' split/merge on arange tensors at TP 1, 2, 4; the layer maps against the sparse
   and dense blocks' state_dicts; the options with no equivalent refused by name.
 """
@@ -55,6 +61,9 @@ VOCAB = 50257
 LOGITS_TOLERANCE = 1e-4
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 0.707}
+LATENT = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 FAMILIES = {
     "MixtralForCausalLM": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                router_aux_loss_coef=0.02, tie_word_embeddings=False, sliding_window=None),
@@ -64,6 +73,10 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
                                 norm_topk_prob=True, mlp_only_layers=[0], head_dim=24, router_aux_loss_coef=0.005,
                                 tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "DeepseekV3ForCausalLM": dict(num_key_value_heads=4, rope_parameters=YARN, **LATENT, intermediate_size=96,
+                                  moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+                                  num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                  first_k_dense_replace=2, tie_word_embeddings=False),
 }
 EXPECTED_MOE = {  # what model.from_hf must read from each config.json
     "MixtralForCausalLM": MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=32, norm_topk_prob=True,
@@ -72,6 +85,10 @@ EXPECTED_MOE = {  # what model.from_hf must read from each config.json
                                      shared_expert_ffn_hidden_size=48, sparse_every=2, aux_loss_coeff=0.002),
     "Qwen3MoeForCausalLM": MoEConfig(num_experts=8, top_k=4, moe_ffn_hidden_size=32, norm_topk_prob=True,
                                      first_dense_layers=1, aux_loss_coeff=0.02),
+    "DeepseekV3ForCausalLM": MoEConfig(num_experts=8, top_k=2, moe_ffn_hidden_size=32, router="sigmoid_bias",
+                                       routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                                       shared_expert_ffn_hidden_size=32, shared_expert_gate=False,
+                                       first_dense_layers=2),  # no aux-loss key in its config: the defaults
 }
 
 
@@ -82,12 +99,13 @@ def hf_config(name: str, **overrides):
                                 **{**SHAPE, **FAMILIES[name], **overrides})
 
 
-def random_hf_model(name: str, directory: Path) -> Path:
-    """Matrices and expert stacks N(0, 0.05^2), norm weights 1 + N(0, 0.1^2), biases N(0, 0.1^2)."""
+def random_hf_model(name: str, directory: Path, **overrides) -> Path:
+    """Matrices and expert stacks N(0, 0.05^2), norm weights 1 + N(0, 0.1^2), biases and DeepSeek's
+    e_score_correction_bias (a buffer, zeros in a fresh model) N(0, 0.1^2)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(sorted(FAMILIES).index(name))
-    model = AutoModelForCausalLM.from_config(hf_config(name))
+    torch.manual_seed(list(FAMILIES).index(name))
+    model = AutoModelForCausalLM.from_config(hf_config(name, **overrides))
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if parameter.ndim >= 2:
@@ -96,6 +114,9 @@ def random_hf_model(name: str, directory: Path) -> Path:
                 parameter.copy_(1.0 + 0.1 * torch.randn_like(parameter))
             else:
                 parameter.normal_(0.0, 0.1)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(str(directory))
     gpt2_tokenizer(SHAPE["max_position_embeddings"]).save_pretrained(str(directory))
     return directory
@@ -149,10 +170,20 @@ def test_from_hf_reads_the_experts(imported):
         assert model.ffn_hidden_size == (32 if name == "MixtralForCausalLM" else 96)  # Mixtral: the experts' width
         assert (model.bias, model.qk_layernorm) == {"MixtralForCausalLM": ("none", False),
                                                     "Qwen2MoeForCausalLM": ("qkv", False),
-                                                    "Qwen3MoeForCausalLM": ("none", True)}[name]
+                                                    "Qwen3MoeForCausalLM": ("none", True),
+                                                    "DeepseekV3ForCausalLM": ("none", False)}[name]
         sparse = [model.moe.is_sparse(n) for n in range(1, 5)]
         assert sparse == {"MixtralForCausalLM": [True] * 4, "Qwen2MoeForCausalLM": [False, True, False, True],
-                          "Qwen3MoeForCausalLM": [False, True, True, True]}[name]
+                          "Qwen3MoeForCausalLM": [False, True, True, True],
+                          "DeepseekV3ForCausalLM": [False, False, True, True]}[name]
+        if name == "DeepseekV3ForCausalLM":  # head_dim q/k's 16 + 8 (HF's head_dim is the rope part), kv heads 4
+            latent = {key: getattr(model, key) for key in (*LATENT, "rope_interleave", "head_dim",
+                                                           "num_key_value_heads")}
+            assert (model.attention_type, latent) == ("mla", {**LATENT, "rope_interleave": True, "head_dim": 24,
+                                                              "num_key_value_heads": 4})
+            assert (model.rope_theta, model.rope_scaling) == (1e4, {k: v for k, v in YARN.items() if k != "rope_theta"})
+        else:
+            assert model.attention_type == "mha" and model.q_lora_rank is None and model.rope_interleave is None
 
 
 # -- round trip ------------------------------------------------------------------------------------------------------
@@ -161,7 +192,8 @@ MOE_CONFIG_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_s
                    "num_key_value_heads", "tie_word_embeddings", "num_local_experts", "num_experts",
                    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
                    "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "qkv_bias", "rope_parameters",
-                   "rms_norm_eps")
+                   "rms_norm_eps", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
+                   "topk_group", "first_k_dense_replace", "attention_bias", "rope_interleave", *LATENT)
 EXPERT_NAMES = {  # what transformers 5 writes for layer 1's expert 0 (and the original checkpoints hold)
     "MixtralForCausalLM": ["model.layers.1.block_sparse_moe.gate.weight",
                            "model.layers.1.block_sparse_moe.experts.0.w1.weight",
@@ -174,6 +206,12 @@ EXPERT_NAMES = {  # what transformers 5 writes for layer 1's expert 0 (and the o
                             "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate_proj.weight"],
     "Qwen3MoeForCausalLM": ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.7.gate_proj.weight",
                             "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_norm.weight"],
+    "DeepseekV3ForCausalLM": ["model.layers.2.mlp.gate.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
+                              "model.layers.2.mlp.experts.7.up_proj.weight",
+                              "model.layers.2.mlp.shared_experts.gate_proj.weight",
+                              "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_a_layernorm.weight",
+                              "model.layers.0.self_attn.q_b_proj.weight",
+                              "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"],
 }
 
 
@@ -279,6 +317,8 @@ def moe_model(name: str) -> ModelConfig:
         fields["ffn_hidden_size"] = 32
     elif name == "Qwen2MoeForCausalLM":
         fields["bias"] = "qkv"
+    elif name == "DeepseekV3ForCausalLM":
+        fields.update(num_key_value_heads=None, attention_type="mla", **LATENT)
     else:
         fields.update(qk_layernorm=True, head_dim=24)
     return ModelConfig(**fields)
@@ -288,7 +328,7 @@ def moe_model(name: str) -> ModelConfig:
 def test_split_then_merge_is_exact_for_the_expert_tensors(tensor_parallel_size):
     for name in FAMILIES:
         config = moe_model(name)
-        for tensor in layer_maps(config, ARCHITECTURES[name])[3].tensors:  # block 2: sparse in all three
+        for tensor in layer_maps(config, ARCHITECTURES[name])[5].tensors:  # block 4: sparse in all four
             values = [torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + 1e6 * i
                       for i, shape in enumerate(hf_tensor_shapes(tensor, config).values())]
             shards = split_from_hf(tensor, values[0] if isinstance(tensor.hf, str) else values, config,
@@ -378,6 +418,13 @@ def test_shapes_without_an_hf_architecture_are_refused():
         with pytest.raises(ValueError, match="Mixture-of-Experts model's shape .* is no Hugging Face architecture"):
             resolve_architecture(config)  # what the export asks; evaluation reads it all the same (test_evaluation_moe)
         assert len(layer_maps(config)) == 4 + config.num_layers  # our files are described, with or without HF names
+    deepseek = moe_model("DeepseekV3ForCausalLM")
+    for fields in (dict(moe={**deepseek.to_dict()["moe"], "shared_expert_gate": True}), dict(bias="all"),
+                   dict(moe={**deepseek.to_dict()["moe"], "router": "softmax", "n_group": 1, "topk_group": 1})):
+        config = ModelConfig(**{**deepseek.to_dict(), **fields})
+        assert compatible_architectures(config) == []
+        with pytest.raises(ValueError, match="multi-head latent attention model's shape .* is no DeepseekV3ForCausal"):
+            resolve_architecture(config)
     mixtral = moe_model("MixtralForCausalLM")
     every_other = ModelConfig(**{**mixtral.to_dict(), "moe": {**mixtral.to_dict()["moe"], "sparse_every": 2}})
     assert compatible_architectures(every_other) == []  # Mixtral has no dense blocks
