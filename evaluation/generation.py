@@ -1,7 +1,8 @@
 """Text generation over the pipeline, with a KV cache sharded like the attention heads and held per stage.
 
 One sequence at a time per data-parallel replica: the first step runs the prompt through every stage (each stage's
-attentions cache the keys and values of their own heads, model/attention.py KVCache), each later step one token at the
+attentions cache what they need of past tokens, model/attention.py AttentionCache: the keys and values of their own
+heads, or multi-head latent attention's latent and rope key, model/mla.py), each later step one token at the
 position after the cache. The last stage chooses the token (greedy: the vocabulary-parallel argmax; sampling: the
 last position's logits gathered over TP, then temperature, top-k, top-p and a seeded generator on TP rank 0) and
 sends it to every rank of its replica, which all then know when to stop: the end-of-text token, a stop sequence in

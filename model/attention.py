@@ -10,7 +10,7 @@ kernel; with a packed sample's ``segment_ids`` (data.reset_attention_mask) it is
 model/document_attention.py elsewhere, both in memory linear in s; SDPA with the s x s mask is the reference, and the
 kernel under attention dropout (``document_kernel``). The core, its recomputation, the probe and the KV cache slot
 are CausalAttention's, which model/mla.py's multi-head latent attention shares (with its own projections, v of
-its own width, and its own softmax scale).
+its own width, its own softmax scale, and a cache of its own: the latent, not k and v).
 
 Under Ulysses context parallelism (parallelism.context_parallel_size CP > 1) s is this rank's slice of the sample,
 s = S / CP: RoPE rotates q and k at the slice's global positions, then DeepSpeed's DistributedAttention trades the
@@ -102,44 +102,66 @@ def _flex_attention(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-class KVCache:
-    """The keys and values one block's attention has seen, on this rank's heads (inference only).
+DOCUMENTS_WITH_A_CACHE = "document masks (packed samples) are for training: a KV cache holds one sequence"
 
-        keys, values   (b, g/R, past, d) each: the key/value heads of this TP rank, like the attention itself
 
-    A forward with a cache attends over the cached positions and its own, then appends its keys and values; RoPE
-    rotates the new q and k at positions past .. past + s - 1, so the cache holds rotated keys, as transformers'
-    does. ``kv_caches(module)`` gives every attention of a stage its own for one sequence (or batch) at a time."""
+class AttentionCache:
+    """What one block's attention keeps of the tokens it has seen, for generation (inference only): a few tensors with
+    the sequence on dim -2, which grow together. The attention says what they are (``CausalAttention.new_cache``):
 
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        cache                   holds, per layer, on each TP rank             values per token (one sequence)
+        KVCache (SelfAttention) keys (b, g/R, past, d), values likewise        2 d g/R
+        LatentKVCache (MLA,     the normed kv latent (b, past, r_kv) and the   r_kv + d_r (all of it on every rank)
+          model/mla.py)           rotated shared rope key (b, past, d_r)
+
+    ``kv_caches(module)`` gives every attention of a stage an empty one for one sequence (or batch) at a time."""
+
+    def __init__(self, values_per_token: int) -> None:
+        self.values_per_token = values_per_token
+        """What one token adds to this layer's cache on this TP rank (batch of 1): the cache's memory per token is
+        this times the element size (``bytes_per_token``)."""
+        self.tensors: tuple[torch.Tensor, ...] | None = None
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        """past: the tokens the cache holds."""
+        return 0 if self.tensors is None else self.tensors[0].shape[-2]
 
-    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (b, g/R, s, d) keys and values; return all of them, cached first."""
-        if self.keys is not None:
-            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
-        self.keys, self.values = keys, values
-        return keys, values
+    def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append each tensor's s new positions (dim -2) to the cached ones; return them all, cached first."""
+        if self.tensors is not None:
+            new = tuple(torch.cat([cached, tensor], dim=-2) for cached, tensor in zip(self.tensors, new, strict=True))
+        self.tensors = new
+        return new
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """The bytes one token adds to this layer's cache on this TP rank, in ``dtype`` (the model's: bf16 2)."""
+        return self.values_per_token * dtype.itemsize
+
+
+class KVCache(AttentionCache):
+    """The keys and values of SelfAttention, on this rank's heads (AttentionCache), ``tensors`` = (keys, values):
+
+        keys           (b, g/R, past, d_k): the key heads of this TP rank, rotated, as transformers' cache holds them
+        values         (b, g/R, past, d_v)
+
+    A forward with a cache attends over the cached positions and its own, then appends its keys and values; RoPE
+    rotates the new q and k at positions past .. past + s - 1. ``heads``, ``key_width``, ``value_width``: g/R, d_k and
+    d_v (SelfAttention: d both; an MLA without its latent cache would hold nh/R heads of d_n + d_r and d_v)."""
+
+    def __init__(self, heads: int, key_width: int, value_width: int) -> None:
+        super().__init__(heads * (key_width + value_width))
 
 
 class CausalAttention(nn.Module):
     """What a block's attention does once it has projected q, k and v, whatever its projections (SelfAttention here,
     MultiHeadLatentAttention in model/mla.py): the core, softmax(q k^T scale) v causal with the attention dropout and
     the document-mask kernels; its selective recomputation; the attention-logit probe (``max_logit``); the KV cache
-    slot (``kv_cache``, set by kv_caches()).
+    slot (``kv_cache``, set by kv_caches() to what ``new_cache`` makes: each attention says what it keeps).
 
         q (b, nh/R, s, d), k (b, g/R, s, d), v (b, g/R, s, d_v): this TP rank's query heads, nh/g of them per key/value
         head; d_v = d but under MLA; scale: ``softmax_scale``, None for 1 / sqrt(d) (SDPA's default)
-
-    ``kv_cache_refusal``: None where a subclass caches keys and values, else why it cannot (kv_caches raises it).
     """
-
-    kv_cache_refusal: str | None = None
 
     def __init__(self, config: ModelConfig, layer_number: int, rng: RNGStream, recompute_core: bool,
                  queries_per_group: int, block_masks: BlockMasks | None = None,
@@ -152,9 +174,13 @@ class CausalAttention(nn.Module):
         self.backend = config.attention_backend  # the kernel of document masks (document_kernel)
         self.block_masks = block_masks or BlockMasks()
         self.rng = rng  # the tensor-parallel stream: these heads' dropout masks are this rank's own
-        self.kv_cache: KVCache | None = None  # set for inference by kv_caches()
+        self.kv_cache: AttentionCache | None = None  # set for inference by kv_caches()
         self.layer_number = layer_number
         self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
+
+    def new_cache(self) -> AttentionCache:
+        """An empty cache of what this attention needs of past tokens (AttentionCache's table)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no KV cache (new_cache)")
 
     def _core_or_recompute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            segment_ids: torch.Tensor | None) -> torch.Tensor:
@@ -257,7 +283,7 @@ class SelfAttention(CausalAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         past = 0 if self.kv_cache is None else self.kv_cache.length
         if segment_ids is not None and self.kv_cache is not None:
-            raise ValueError("document masks (packed samples) are for training: a KV cache holds one sequence")
+            raise ValueError(DOCUMENTS_WITH_A_CACHE)
         if self.ulysses is not None and self.kv_cache is not None:
             raise ValueError("generation runs at context_parallel_size 1: load the checkpoint with CP 1")
         if self.rotary is not None:  # under CP, s is this rank's slice: positions from its start in the sample
@@ -272,6 +298,10 @@ class SelfAttention(CausalAttention):
                                    segment_ids).transpose(1, 2)  # (b, nh/R, s, d)
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
         return self.dense(context)  # (b, s, h)
+
+    def new_cache(self) -> KVCache:
+        """This rank's g/R key/value heads, rotated keys and values of head_dim each."""
+        return KVCache(self.groups, self.head_dim, self.head_dim)
 
     def _sequence_first_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              segment_ids: torch.Tensor | None) -> torch.Tensor:
@@ -358,14 +388,11 @@ def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]
 
 
 @contextmanager
-def kv_caches(module: nn.Module) -> Iterator[list[KVCache]]:
-    """Give every attention in ``module`` (a stage, or the whole GPT) an empty KV cache for the duration; a
-    ValueError with the reason where an attention has none (``CausalAttention.kv_cache_refusal``)."""
+def kv_caches(module: nn.Module) -> Iterator[list[AttentionCache]]:
+    """Give every attention in ``module`` (a stage, or the whole GPT) an empty cache of its own kind for the duration
+    (``CausalAttention.new_cache``: SelfAttention's keys and values, MLA's latent)."""
     attentions = [m for m in module.modules() if isinstance(m, CausalAttention)]
-    for attention in attentions:
-        if attention.kv_cache_refusal is not None:
-            raise ValueError(attention.kv_cache_refusal)
-    caches = [KVCache() for _ in attentions]
+    caches = [attention.new_cache() for attention in attentions]
     for attention, cache in zip(attentions, caches, strict=True):
         attention.kv_cache = cache
     try:

@@ -38,8 +38,26 @@ as for plain attention (model/layers.py RotaryEmbedding). rope_interleave: the r
 apply_rotary_pos_emb_interleave; q and k alike, so q.k does not see the layout); false: rotate_half's pairs
 (x_i, x_{i + d_r/2}).
 
-Not built yet, and refused: a KV cache (kv_caches raises ``KV_CACHE_REFUSAL``), Ulysses context parallelism and
-qk_layernorm (model/config), Hugging Face conversion (hf/tables.py).
+The KV cache of generation (``LatentKVCache``, what ``new_cache`` makes for kv_caches()) holds what MLA needs of
+the past tokens and no more:
+
+    tensor       shape              what                                                on each TP rank
+    latent       (b, past, r_kv)    kv_a_layernorm's output, before kv_b_proj           all of it (replicated)
+    rope_keys    (b, past, d_r)     the shared rope key, rotated at its position        all of it (replicated)
+
+r_kv + d_r values per token and layer (DeepSeek-V3: 512 + 64 = 576), where a cache of keys and values would hold
+nh/R (d_n + d_r + d_v) (V3 at TP 1: 128 x (192 + 128) = 40,960). A forward with the cache projects its s new tokens,
+rotates their rope key (and queries) at positions past .. past + s - 1, appends latent and rope key, up-projects the
+whole cached latent with kv_b_proj into this rank's heads (k_nope and v at past + s positions), and attends the s
+queries over them with CausalAttention.core's bottom-right causal mask. Up-projecting the whole past at every step is
+simple and exact, not fast. DeepSeek's inference absorbs kv_b_proj instead: its k_nope rows folded into the queries
+(q_nope W_uk, per head, scores the latent directly) and its v rows into the output projection, so that a decode step
+reads r_kv + d_r values a past token and never forms k or v. That absorbed form is what a GPU decode would use; it is
+not built here. Document masks (segment_ids) and sequence parallelism (the latent would hold this rank's positions
+only) are refused with a cache.
+
+Not built yet, and refused: Ulysses context parallelism and qk_layernorm (model/config), Hugging Face conversion
+(hf/tables.py).
 """
 
 from __future__ import annotations
@@ -48,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import BlockMasks, CausalAttention
+from model.attention import DOCUMENTS_WITH_A_CACHE, AttentionCache, BlockMasks, CausalAttention
 from model.config import ModelConfig
 from model.init import normal_sharded_, parameter_seed
 from model.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, apply_rope, yarn_mscale
@@ -60,10 +78,21 @@ LATENT_NORM_EPSILON = 1e-6
 """The epsilon of q_a_layernorm and kv_a_layernorm: DeepSeek's and transformers' (DeepseekV3RMSNorm's default; the
 config's rms_norm_eps, model.layernorm_epsilon here, is the block norms')."""
 
-KV_CACHE_REFUSAL = (
-    "generation with a KV cache is not built for model.attention_type \"mla\" (its cache would hold the latent and the "
-    "rope key, not k and v): generate without the cache (tools/generate.py --no-cache: each step reruns the whole "
-    "sequence), or score with tools/evaluate.py")
+
+class LatentKVCache(AttentionCache):
+    """MLA's cache of one layer (module docstring): the normed kv latent (b, past, r_kv) and the rotated shared rope
+    key (b, past, d_r), whole on every TP rank; r_kv + d_r values per token."""
+
+    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+        super().__init__(kv_lora_rank + qk_rope_head_dim)
+
+    @property
+    def latent(self) -> torch.Tensor | None:
+        return None if self.tensors is None else self.tensors[0]
+
+    @property
+    def rope_keys(self) -> torch.Tensor | None:
+        return None if self.tensors is None else self.tensors[1]
 
 
 class ReplicatedLinear(nn.Module):
@@ -120,8 +149,6 @@ class MultiHeadLatentAttention(CausalAttention):
     """Causal multi-head latent attention over this rank's heads (module docstring): built as SelfAttention is, from
     (config, ctx, seed, layer_number, rng), sharing the model's ``rotary`` and ``block_masks``."""
 
-    kv_cache_refusal = KV_CACHE_REFUSAL
-
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_number: int,
                  rng: RNGStream, recompute_core: bool = False, rotary: RotaryEmbedding | None = None,
                  block_masks: BlockMasks | None = None) -> None:
@@ -163,24 +190,43 @@ class MultiHeadLatentAttention(CausalAttention):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x (b, s*, h) (module docstring); ``position_ids``, ``segment_ids`` (b, s): a packed sample's positions and
-        documents, as SelfAttention takes them; without, one causal sequence 0 .. s-1."""
-        if self.kv_cache is not None:
-            raise ValueError(KV_CACHE_REFUSAL)
+        documents, as SelfAttention takes them; without, one causal sequence past .. past + s - 1 (past: the tokens a
+        KV cache holds, 0 without one)."""
+        self._check_cache(segment_ids)
         d_n, d_r, d_v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         q = self._queries(x)  # (b, s, nh/R (d_n + d_r)): the whole sequence, also when x holds this rank's positions
         b, s = q.shape[:2]
         q_nope, q_rope = q.view(b, s, self.heads, d_n + d_r).transpose(1, 2).split([d_n, d_r], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, d_r], dim=-1)  # (b, s*, r_kv), d_r
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # (b, s, nh/R (d_n + d_v))
-        k_nope, v = kv.view(b, s, self.heads, d_n + d_v).transpose(1, 2).split([d_n, d_v], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # (b, s*, r_kv): what the cache holds, whole on every rank
         k_rope = enter_tensor_parallel_region(k_rope, self.group, self.sequence_parallel).unsqueeze(1)  # (b, 1, s, d_r)
-        cos, sin = self.rotary.cos_sin(s, q_rope.dtype, q_rope.device, position_ids=position_ids)
+        past = 0 if self.kv_cache is None else self.kv_cache.length
+        cos, sin = self.rotary.cos_sin(s, q_rope.dtype, q_rope.device, offset=past, position_ids=position_ids)
         rotate = apply_rope_interleaved if self.rope_interleave else apply_rope
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope, cos, sin)
+        if self.kv_cache is not None:  # (b, past + s, r_kv) and (b, past + s, d_r)
+            latent, rope_keys = self.kv_cache.extend(latent, k_rope.squeeze(1))
+            k_rope = rope_keys.unsqueeze(1)  # (b, 1, past + s, d_r)
+        kv = self.kv_b_proj(latent)  # (b, keys, nh/R (d_n + d_v)), keys = past + s: this rank's heads
+        keys = kv.shape[1]
+        k_nope, v = kv.view(b, keys, self.heads, d_n + d_v).transpose(1, 2).split([d_n, d_v], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (b, nh/R, s, d_n + d_r)
-        k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)  # (b, nh/R, s, d_n + d_r)
+        k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)  # (b, nh/R, keys, d_n + d_r)
         context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d_v)
         return self.dense(context.transpose(1, 2).reshape(b, s, self.heads * d_v))  # (b, s*, h)
+
+    def new_cache(self) -> LatentKVCache:
+        """The latent and the rope key (module docstring): kv_b_proj gives this rank's heads from the whole latent."""
+        return LatentKVCache(self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def _check_cache(self, segment_ids: torch.Tensor | None) -> None:
+        if self.kv_cache is None:
+            return
+        if segment_ids is not None:
+            raise ValueError(DOCUMENTS_WITH_A_CACHE)
+        if self.sequence_parallel:  # the latent enters the TP region inside kv_b_proj: x holds s/R positions
+            raise ValueError("a KV cache of model.attention_type \"mla\" holds the whole latent of every position: "
+                             "generate with parallelism.sequence_parallel off (the weights are the same)")
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_proj is not None:

@@ -507,6 +507,8 @@ class StepStats:
     tokens_per_expert: torch.Tensor
     """(E,) int64: summed over the forwards (this EP rank's tokens)."""
     dropped: torch.Tensor
+    sequence_aux_loss: torch.Tensor
+    """() fp32: the sum over the forwards of the unscaled sequence-wise balance loss (0 unless its coefficient > 0)."""
 
 
 class MoEMLP(nn.Module):
@@ -540,13 +542,14 @@ class MoEMLP(nn.Module):
         return out
 
     def _count(self, stats: MoEStats) -> None:
-        aux, z = stats.aux_loss.detach(), stats.z_loss.detach()
+        aux, z, sequence = stats.aux_loss.detach(), stats.z_loss.detach(), stats.sequence_aux_loss.detach()
         if self._stats is None:
-            self._stats = StepStats(1, aux, z, stats.tokens_per_expert, stats.dropped)
+            self._stats = StepStats(1, aux, z, stats.tokens_per_expert, stats.dropped, sequence)
             return
         previous = self._stats
         self._stats = StepStats(previous.forwards + 1, previous.aux_loss + aux, previous.z_loss + z,
-                                previous.tokens_per_expert + stats.tokens_per_expert, previous.dropped + stats.dropped)
+                                previous.tokens_per_expert + stats.tokens_per_expert, previous.dropped + stats.dropped,
+                                previous.sequence_aux_loss + sequence)
 
     def take_stats(self) -> StepStats | None:
         """The step's statistics (None: no training forward ran), and a fresh count for the next step."""

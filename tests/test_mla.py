@@ -12,6 +12,13 @@
     the document-mask kernels (blockwise,  SDPA with the (b, 1, s, s) mask               1e-5 max abs
       flex) with v narrower than q, k
     the attention-logit probe              q.k x the softmax scale, by hand              rtol 1e-6
+    the latent KV cache: greedy            the same without the cache (each step the     the same tokens; logits
+      generation, a prefill then steps       whole sequence), q_lora_rank set and null,    within 32 ulps of the
+      then an extend                         rope_interleave both ways, YaRN               largest (CACHE_CASES)
+    the cache at TP 2 (fake ranks, one     each rank without its cache; the sum of the   1e-6 max abs
+      process)                               ranks' partial outputs, the whole attention
+    the cache's bytes per token            DeepSeek-V3's shape: 576 values against       exact
+                                             40,960 for keys and values
 
 The split runs gloo on CPU (tests/distributed.py), one launch per world size for every variant. Weight gradients are
 compared after what GPTPipelineModule has DeepSpeed do once per step: partial_gradient_parameters all-reduced over
@@ -30,12 +37,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from model.attention import attention_logit_probe, kv_caches
+from model.attention import KVCache, attention_logit_probe, kv_caches
 from model.config import ModelConfig, ParallelConfig
 from model.flops import layer_forward_flops_per_token
 from model.gpt import GPT, TransformerLayer
 from model.layers import partial_gradient_parameters
-from model.mla import MultiHeadLatentAttention
+from model.mla import LatentKVCache, MultiHeadLatentAttention
 from model.parallel import ParallelContext, build_parallel_context
 from model.random import RNGStream
 from model.summary import analytic_total_parameters, dense_block_parameters
@@ -314,14 +321,129 @@ def test_the_split_refuses_what_mla_does_not_build(split, message):
 def test_generation_with_a_cache_and_hf_conversion_are_refused():
     from hf.tables import compatible_architectures, resolve_architecture
 
-    model = GPT(mla_config())
-    with pytest.raises(ValueError, match=re.escape("--no-cache")), kv_caches(model):
-        pass
+    assert [a.name for a in compatible_architectures(mla_config())] == ["DeepseekV3ForCausalLM"]  # test_hf_deepseek
+    with pytest.raises(ValueError, match=re.escape("model.norm = 'layernorm', model.mlp = 'swiglu', model.bias = "
+                                                   "'none') is no DeepseekV3ForCausalLM")):
+        resolve_architecture(mla_config(norm="layernorm"))  # the one MLA architecture has RMSNorm
+
+
+# ------------------------------------------------------------------------------------------------------ the KV cache
+
+
+# Both query forms and both rope layouts, under YaRN (positions past its 8 original ones)
+CACHE_CASES = {"q_lora, interleaved, yarn": dict(rope_scaling=YARN_MSCALE),
+               "q_proj, rotate_half, yarn": dict(q_lora_rank=None, rope_interleave=False, rope_scaling=YARN_MSCALE)}
+# The cached forward computes the uncached one's products, summed in another order (a matmul of 1 row is blocked
+# otherwise than one of s; SDPA's kernel of one query over past + 1 keys is not its causal kernel over s): rounding
+# alone, measured at most 1.5e-6 on logits up to 2.7 (6 ulps of the largest). 32 ulps of the largest logit leaves 5x
+# headroom; a rope key at a wrong position moves them by 1e-2 and more (reported with the change).
+ULPS = 32
+
+
+def _tolerance(logits: torch.Tensor) -> float:
+    return ULPS * torch.finfo(torch.float32).eps * logits.abs().max().item()
+
+
+def _recorded_generation(model: GPT, config: ModelConfig, prompt: list[int], new_tokens: int,
+                         use_cache: bool) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """Greedy tokens through evaluation/generation.py on one process; each step's window length and the logits of
+    its last position (the vocabulary's, not the padding's)."""
+    from evaluation.generation import Generator
+    from evaluation.pipeline import Pipeline, Stage
+
+    windows, logits = [], []
+
+    def recording_model(inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = model(*inputs)
+        windows.append(inputs[0].shape[1])
+        logits.append(out[0, -1, :config.vocab_size])
+        return out
+
+    pipeline = Pipeline(Stage([recording_model], model, ParallelContext(), config))
+    tokens = Generator(pipeline, end_of_text=None).generate(prompt, new_tokens, use_cache=use_cache)
+    return tokens, windows, logits
+
+
+@pytest.mark.parametrize("overrides", CACHE_CASES.values(), ids=CACHE_CASES.keys())
+def test_greedy_generation_with_the_latent_cache_equals_without(overrides):
+    """A 5-token prompt, 12 greedy tokens (positions to 16): the same tokens, each step's logits within ULPS."""
+    config = mla_config(**overrides)
+    model = GPT(config).eval()
+    prompt = [3, 41, 59, 26, 53]
+    cached, windows, cached_logits = _recorded_generation(model, config, prompt, 12, use_cache=True)
+    plain, plain_windows, plain_logits = _recorded_generation(model, config, prompt, 12, use_cache=False)
+    assert windows == [5] + [1] * 11 and plain_windows == list(range(5, 17))  # the cache's steps are one token
+    errors = [_max_abs(ours, theirs) for ours, theirs in zip(cached_logits, plain_logits, strict=True)]
+    tolerance = _tolerance(torch.stack(plain_logits))
+    print(f"\n{overrides}: tokens {cached}; logits max abs {max(errors):.2e} (tolerance {tolerance:.2e})")
+    assert cached == plain and len(set(cached)) > 3  # token for token, and not one token repeated
+    assert max(errors) <= tolerance, errors
+
+
+@pytest.mark.parametrize("overrides", CACHE_CASES.values(), ids=CACHE_CASES.keys())
+def test_prefill_steps_and_an_extend_equal_the_whole_sequence(overrides):
+    """Two sequences of 20 tokens: a prefill of 6, three single-token steps, then an extend of 11 (queries and keys
+    under the bottom-right causal mask), against one forward over the 20 without a cache. The cache holds exactly
+    the latent and the rope key of every token, r_kv + d_r values each, and leaves the model when done."""
+    config = mla_config(**overrides)
+    model = GPT(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (B, 20), generator=torch.Generator().manual_seed(14))
+    positions = torch.arange(20).expand(B, 20)
+    pieces = [slice(0, 6), slice(6, 7), slice(7, 8), slice(8, 9), slice(9, 20)]
+    with torch.no_grad():
+        expected = model(tokens, positions)[..., :config.vocab_size]
+        with kv_caches(model) as caches:
+            out = torch.cat([model(tokens[:, piece], positions[:, piece]) for piece in pieces], dim=1)
+    assert _max_abs(out[..., :config.vocab_size], expected) <= _tolerance(expected)
+    assert len(caches) == config.num_layers and all(isinstance(cache, LatentKVCache) for cache in caches)
+    for cache in caches:
+        assert cache.latent.shape == (B, 20, config.kv_lora_rank) and cache.rope_keys.shape == (B, 20, 8)
+        assert sum(t.numel() for t in cache.tensors) == B * 20 * cache.values_per_token == B * 20 * (32 + 8)
     assert all(layer.attention.kv_cache is None for layer in model.layers)
-    config = mla_config()
-    assert compatible_architectures(config) == []
-    with pytest.raises(ValueError, match=re.escape("model.attention_type \"mla\" has no Hugging Face conversion")):
-        resolve_architecture(config)
+    with kv_caches(model), pytest.raises(ValueError, match="document masks"):
+        model(tokens, positions, torch.zeros_like(tokens))
+
+
+def test_the_cache_at_tp_2_holds_the_whole_latent_and_gives_each_rank_its_heads():
+    """TP 2 in one process (fake ranks, no group: every primitive is the identity): each rank's attention, built from
+    the seed of the whole one, holds its half of the heads. Prefill 5, one step, extend 10: with the cache each rank
+    computes what it does without (its partial sum of the output projection), the two ranks' caches hold the same
+    whole latent, and the partial sums add up to the whole attention's output (fp32: 2 terms in another order)."""
+    config = mla_config(rope_scaling=YARN_MSCALE)
+    whole = MultiHeadLatentAttention(config, ParallelContext(), seed=9, layer_number=1, rng=RNGStream(0)).eval()
+    x = _inputs(B, S, H, seed=15)
+    partial_sums, latents = [], []
+    with torch.no_grad():
+        for rank in range(2):
+            attention = MultiHeadLatentAttention(config, ParallelContext(tensor_parallel_size=2,
+                                                                         tensor_parallel_rank=rank),
+                                                 seed=9, layer_number=1, rng=RNGStream(0)).eval()
+            with kv_caches(attention) as (cache,):
+                out = torch.cat([attention(x[:, :5]), attention(x[:, 5:6]), attention(x[:, 6:])], dim=1)
+            assert _max_abs(out, attention(x)) <= 1e-6
+            partial_sums.append(out)
+            latents.append(cache.latent)
+        assert latents[0].shape == (B, S, config.kv_lora_rank) and torch.equal(latents[0], latents[1])
+        assert _max_abs(partial_sums[0] + partial_sums[1], whole(x)) <= 1e-6
+
+
+def test_the_latent_cache_holds_576_values_a_token_for_deepseek_v3_against_40960():
+    """Per token and layer at TP 1, DeepSeek-V3's shape (128 heads, q/k 128 + 64, v 128, kv latent 512): MLA's cache
+    holds r_kv + d_r = 576 values, a cache of keys and values for the same heads 128 x (192 + 128) = 40,960."""
+    v3 = dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840)
+    config = mla_config(**v3)
+    with torch.device("meta"):
+        attention = MultiHeadLatentAttention(config, ParallelContext(), seed=0, layer_number=1, rng=RNGStream(0))
+    latent = attention.new_cache()
+    plain = KVCache(attention.heads, config.head_dim, config.v_head_dim)
+    ratio = plain.values_per_token / latent.values_per_token
+    print(f"\nDeepSeek-V3, per token and layer: latent cache {latent.values_per_token:,} values, "
+          f"{latent.bytes_per_token(torch.bfloat16):,} bytes in bf16; keys and values {plain.values_per_token:,} "
+          f"values, {plain.bytes_per_token(torch.bfloat16):,} bytes ({ratio:.1f}x)")
+    assert (latent.values_per_token, plain.values_per_token) == (576, 40_960)
+    assert (latent.bytes_per_token(torch.bfloat16), plain.bytes_per_token(torch.bfloat16)) == (1_152, 81_920)
+    assert latent.bytes_per_token(torch.float32) == 2_304
 
 
 # ------------------------------------------------------------------------ counts, checkpoint layouts, the FLOPs

@@ -10,6 +10,10 @@ the real pipeline engine at PP 2 on 2 CPU processes (the second stage holds the 
 - The aux-loss-free router's bias moves only on applied steps. A step whose gradients are NaN (its loss masks
   poisoned, as training/faults.py poisons them) is skipped by DeepSpeed's overflow path; the bias stays bitwise what
   it was, and the next step moves it again.
+- What the monitor logs of those three steps (training/moe_monitor.py): moe_sequence_aux_loss is the mean of the
+  sequence-wise balance loss the router itself returned at each of its 12 forwards (4 micro-batches a step, the
+  skipped step's too), read by a hook on the router; 1e-6 relative (the layer sums its forwards in fp32, the test in
+  fp64), the same on both stages (one all-reduce), and apart from moe_aux_loss, the batch-wide loss.
 """
 
 from __future__ import annotations
@@ -53,13 +57,18 @@ def _step_under_scales() -> dict:
     return results
 
 
-def _bias_across_a_skipped_step() -> list[torch.Tensor]:
-    """The router's bias after each of three steps, the second one's loss masks NaN."""
+def _bias_across_a_skipped_step() -> tuple[list[torch.Tensor], int, dict, list[float]]:
+    """The router's bias after each of three steps, the second one's loss masks NaN; what the monitor logs of the
+    three, and the sequence-wise balance loss of each of the router's forwards."""
     from model.moe import sparse_layers
     from training.moe_monitor import MoEMonitor
 
-    (engine, ctx), config = _engine({**MOE, "router": "sigmoid_bias", "bias_update_rate": 0.01})
-    monitor, biases = MoEMonitor(engine.module, config, ctx), []
+    (engine, ctx), config = _engine({**MOE, "router": "sigmoid_bias", "bias_update_rate": 0.01,
+                                     "sequence_aux_loss_coeff": 0.01})
+    monitor, biases, routed = MoEMonitor(engine.module, config, ctx), [], []
+    for _, layer in sparse_layers(engine.module):
+        layer.block.router.register_forward_hook(
+            lambda router, inputs, routing: routed.append(float(routing.sequence_aux_loss.detach())))
     for step in range(3):
         data = list(micro_batches(step, config.seq_length, ctx.data_parallel_rank, ctx.data_parallel_size))
         if step == 1:
@@ -68,7 +77,7 @@ def _bias_across_a_skipped_step() -> list[torch.Tensor]:
         engine.train_batch(data_iter=iter(data))
         monitor.after_step(applied=engine.skipped_steps == skipped_before)
         biases += [layer.block.router.expert_bias.clone() for _, layer in sparse_layers(engine.module)]
-    return biases, int(engine.skipped_steps)
+    return biases, int(engine.skipped_steps), monitor.take(), routed
 
 
 def _steps() -> dict:
@@ -86,9 +95,15 @@ def test_aux_gradients_follow_the_loss_scale_and_the_bias_skips_skipped_steps():
         assert abs(without["norm"] - unscaled["norm"]) > 1e-3 * unscaled["norm"]  # the aux losses matter here
         assert scaled["weights"].keys() == unscaled["weights"].keys()
         assert all(torch.equal(scaled["weights"][key], unscaled["weights"][key]) for key in unscaled["weights"])
-    biases, skipped = ranks[1]["bias"]
+    biases, skipped, logged, routed = ranks[1]["bias"]
     assert skipped == 1 and len(biases) == 3  # one sparse block: its bias after each step
     assert biases[0].abs().max() > 0  # the first step moved it
     assert torch.equal(biases[1], biases[0])  # the skipped step left it, bitwise
     assert not torch.equal(biases[2], biases[1])  # the next applied step moves it again
-    assert ranks[0]["bias"] == ([], 1)  # the first stage holds no sparse block, and skipped the same step
+    assert ranks[0]["bias"] == ([], 1, logged, [])  # the first stage: no sparse block, the same skip and log
+    expected = sum(routed) / len(routed)
+    print(f"moe_sequence_aux_loss {logged['moe_sequence_aux_loss']:.7f}, the router's mean {expected:.7f}, "
+          f"moe_aux_loss {logged['moe_aux_loss']:.7f}")
+    assert len(routed) == 12 and expected > 0.5  # 4 micro-batches x 3 steps; 1.0 when even
+    assert abs(logged["moe_sequence_aux_loss"] - expected) <= 1e-6 * expected
+    assert abs(logged["moe_aux_loss"] - expected) > 1e-4 * expected  # another loss: a mix-up would show

@@ -21,7 +21,8 @@ CONSOLE_FIELDS = [
     ("perplexity", "ppl {:.2f}"), ("grad_norm", "grad norm {:.3f}"), ("noise_scale", "noise scale {:.1f}"),
     ("skipped_steps", "skipped {}"), ("spikes", "spikes {}"), ("z_loss", "z-loss {:.2e}"),
     ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),
-    ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_load_imbalance", "expert load max/mean {:.2f}"),
+    ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_sequence_aux_loss", "MoE sequence aux {:.3f}"),
+    ("moe_load_imbalance", "expert load max/mean {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),
     ("tokens_per_second_per_gpu", "{:,.0f} tokens/s/GPU"), ("fraction_done", "{:.1%} done"),
     ("eta_seconds", "ETA {}"), ("iteration_seconds", "{:.4g} s/step"),
@@ -53,6 +54,9 @@ def format_record(kind: str, record: dict[str, Any]) -> str:
     shown = {**record, "eta_seconds": duration(record["eta_seconds"])} if record.get("eta_seconds") is not None \
         else record
     parts = [fmt.format(shown[key]) for key, fmt in CONSOLE_FIELDS if shown.get(key) is not None]
+    if record.get("mtp_loss") is not None:  # model.mtp: each depth's cross-entropy beside the next token's
+        depths = ", ".join(f"{value:.4f}" for value in record["mtp_loss"])
+        parts.insert(parts.index(f"loss {record['loss']:.4f}") + 1, f"MTP {depths} (weight {record['mtp_weight']:g})")
     if kind == "train" and record.get("mfu") is None:
         parts.append("MFU n/a (no GPU peak known)")
     if kind == "tasks":  # lm-eval metrics, "<task>/<metric>"

@@ -5,6 +5,9 @@ their experts (model/moe.py; nothing here for a dense model).
     moe_aux_loss         the load-balancing loss E sum_e f_e P_e, unscaled, averaged over the sparse layers and their
                          training forwards (1.0 when the router spreads tokens evenly and uniformly)
     moe_z_loss           the router z-loss mean(logsumexp(logits)^2), averaged alike
+    moe_sequence_aux_loss  DeepSeek-V3's sequence-wise balance loss, unscaled (model/router.py
+                         sequence_balance_loss: per sequence sum_e f_e P_e, 1.0 when even), averaged alike; only
+                         with model.moe.sequence_aux_loss_coeff > 0 (the router computes it only then)
     moe_load_imbalance   per sparse layer, the tokens of its busiest expert over the mean per expert, counted over
                          every data-parallel replica; the largest over the layers (1.0: perfectly even)
     moe_imbalance_per_layer  {layer_number: that ratio}
@@ -17,7 +20,7 @@ rank) leaves the bias as it was: its counts are dropped, as its weights' update 
 
 Each layer counts its forwards as they run (MoEMLP, once per micro-batch, not again in a recompute); ``after_step``
 moves the counts of the step into this monitor's sums on the device, nothing read on the host; ``take``, at a logged
-step, is one SUM all-reduce over every rank of a (layers, 4 + E) fp64 table: a stage holds its own layers' rows,
+step, is one SUM all-reduce over every rank of a (layers, 5 + E) fp64 table: a stage holds its own layers' rows,
 every data-parallel replica adds its tokens, and only TP rank 0 of each stage contributes (its TP peers routed the
 same tokens).
 """
@@ -34,16 +37,18 @@ from model.config import ModelConfig
 from model.moe import sparse_layers
 from model.parallel import ParallelContext
 
-FIELDS = 4  # aux sum, z sum, forwards, dropped; then tokens per expert
+FIELDS = 5  # aux sum, z sum, forwards, dropped, sequence aux sum; then tokens per expert
 
 
 class MoEMonitor:
     def __init__(self, module: Any, config: ModelConfig, ctx: ParallelContext) -> None:
         self.layers = sparse_layers(module)
         self.enabled = config.moe is not None  # the same on every rank: take() is collective when it is
-        self.num_layers, self.ctx = config.num_layers, ctx
+        # model.mtp's blocks are numbered L + 1 .. L + D (model/mtp.py): sparse ones are counted and balanced too
+        self.num_layers, self.ctx = config.num_layers + (config.mtp.depth if config.mtp else 0), ctx
         self.num_experts = config.moe.num_experts if config.moe else 0
         self.top_k = config.moe.top_k if config.moe else 0
+        self.sequence_loss = config.moe is not None and config.moe.sequence_aux_loss_coeff > 0
         sigmoid = config.moe is not None and config.moe.router == "sigmoid_bias"
         self.bias_update_rate = config.moe.bias_update_rate if sigmoid else 0.0
         self._sums: torch.Tensor | None = None
@@ -66,7 +71,7 @@ class MoEMonitor:
             row = torch.cat([torch.stack([stats.aux_loss.double(), stats.z_loss.double(),
                                           torch.tensor(float(stats.forwards), dtype=torch.float64,
                                                        device=stats.aux_loss.device),
-                                          stats.dropped.double()]),
+                                          stats.dropped.double(), stats.sequence_aux_loss.double()]),
                              stats.tokens_per_expert.double()])
             self._sums[layer_number - 1] += row.to(self._sums.device)
 
@@ -95,8 +100,11 @@ class MoEMonitor:
         forwards, tokens = rows[:, 2], rows[:, FIELDS:]
         imbalance = tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-12)
         assignments = tokens.sum()
-        return {"moe_aux_loss": float((rows[:, 0] / forwards).mean()),
-                "moe_z_loss": float((rows[:, 1] / forwards).mean()),
-                "moe_load_imbalance": float(imbalance.max()),
-                "moe_imbalance_per_layer": {n: float(r) for n, r in zip(numbers, imbalance, strict=True)},
-                "moe_dropped_fraction": float(rows[:, 3].sum() / assignments) if assignments > 0 else 0.0}
+        logged = {"moe_aux_loss": float((rows[:, 0] / forwards).mean()),
+                  "moe_z_loss": float((rows[:, 1] / forwards).mean()),
+                  "moe_load_imbalance": float(imbalance.max()),
+                  "moe_imbalance_per_layer": {n: float(r) for n, r in zip(numbers, imbalance, strict=True)},
+                  "moe_dropped_fraction": float(rows[:, 3].sum() / assignments) if assignments > 0 else 0.0}
+        if self.sequence_loss:
+            logged["moe_sequence_aux_loss"] = float((rows[:, 4] / forwards).mean())
+        return logged
