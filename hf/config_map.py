@@ -42,8 +42,9 @@ DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2, Moonlight; model.attention_type "ml
       topk_group
     first_k_dense_replace k                              moe.first_dense_layers k (sparse_every 1); k >= layers: no
                                                            model.moe (a dense MLA model)
-    num_nextn_predict_layers                             none: the multi-token prediction layer is skipped on import
-                                                           (hf/importer.py); an export writes 0
+    num_nextn_predict_layers                             none: model.mtp is the run config's; with it the import
+                                                           reads the official MTP layers, without it skips them
+                                                           (hf/importer.py); an export writes model.mtp's depth or 0
     quantization_config (fp8, weight_block_size)         none: the weights are dequantised on import; an export
                                                            writes unquantised weights and no quantization_config
 
@@ -153,7 +154,8 @@ def _moe_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
 def _deepseek_v3_hf_fields(config: ModelConfig) -> dict[str, Any]:
     """MLA's and DeepSeek's experts' keys (the module docstring's table); a dense model's blocks all dense."""
     fields = {name: getattr(config, name) for name in MLA_FIELDS}
-    fields.update(attention_bias=config.bias == "all", num_nextn_predict_layers=0)
+    fields.update(attention_bias=config.bias == "all",
+                  num_nextn_predict_layers=config.mtp.depth if config.mtp is not None else 0)
     moe = config.moe
     if moe is None:
         return {**fields, "first_k_dense_replace": config.num_layers}

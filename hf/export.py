@@ -7,6 +7,7 @@ largest layer. The directory is staged beside the output and renamed into place 
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -19,18 +20,21 @@ from hf.importer import read_import_record
 from hf.safetensors_writer import SafetensorsShardWriter, parse_size
 from hf.tables import (
     ARCHITECTURES,
-    FP32_TENSORS,
     PRECISION_DTYPES,
     Architecture,
     compatible_architectures,
+    exported_layers,
+    exports_mtp,
+    hf_copies,
     hf_shapes,
-    layer_maps,
+    keeps_fp32,
     resolve_architecture,
 )
 from hf.tokenizer import TOKENIZER_DIRECTORY, write_tokenizer
 from hf.transforms import merge_to_hf
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+log = logging.getLogger(__name__)
 
 
 def _export_architecture(checkpoint: Checkpoint, name: str | None) -> Architecture:
@@ -70,8 +74,12 @@ def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str
         hf = hf_config(config, dtype, text.eos_token_id, target, text.bos_token_id)
         hf.save_pretrained(str(staging))
         _generation_config(hf).save_pretrained(str(staging))
-        maps = layer_maps(config, target)
-        kept_fp32 = {name: torch.float32 for layer in maps for tensor in layer.tensors if tensor.ours in FP32_TENSORS
+        maps, copies = exported_layers(config, target), hf_copies(config, target)
+        if config.mtp is not None and not exports_mtp(target):
+            log.warning("%s: model.mtp's %d depth(s) are not exported: %s stores no multi-token prediction module "
+                        "(the export predicts the next token only)", checkpoint.directory, config.mtp.depth,
+                        target.name)
+        kept_fp32 = {name: torch.float32 for layer in maps for tensor in layer.tensors if keeps_fp32(tensor.ours)
                      for name in tensor.hf_names}
         writer = SafetensorsShardWriter(staging, hf_shapes(config, target), dtype, max_bytes, kept_fp32)
         for layer in progress_bar(maps, f"export {checkpoint.tag}", progress):
@@ -80,7 +88,8 @@ def export_to_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, tag: str
                 merged = merge_to_hf(tensor, [shard.pop(tensor.ours) for shard in shards], config)
                 values = (merged,) if torch.is_tensor(merged) else merged
                 for name, value in zip(tensor.hf_names, values, strict=True):
-                    writer.write(name, value)
+                    for each in (name, *copies.get(name, ())):  # DeepseekV3's MTP layers copy the embedding, head
+                        writer.write(each, value)
             del shards
         writer.close()
         publish(staging, output)

@@ -17,9 +17,11 @@ weight_block_size [b_r, b_c], read by hf/config_map.py fp8_block_size) are dequa
                                                                               partial where b_r, b_c do not divide)
     any other tensor (norms, embedding, router, e_score_correction_bias)    as it is
 
-Tensors of layers past the last block (DeepSeek-V3's multi-token prediction module, model.layers.{num_hidden_layers},
-which transformers' DeepseekV3ForCausalLM ignores as well) are skipped with a logged notice and listed in the import
-record: no model.mtp is built from HF weights yet.
+DeepSeek-V3's multi-token prediction module (model.layers.{num_hidden_layers}, which transformers'
+DeepseekV3ForCausalLM ignores) is read into model.mtp's depths when the run config sets model.mtp (depth
+num_nextn_predict_layers; its copies of the embedding and the head are not read: the depths share the trunk's).
+Without model.mtp, the tensors of layers past the last block are skipped with a logged notice and listed in the
+import record.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from hf.config_map import architecture_of, check_model_matches, fp8_block_size, 
 from hf.files import progress_bar, publish, staging_directory
 from hf.tables import (
     ARCHITECTURES,
-    FP32_TENSORS,
     HF_ARCHITECTURE,
     PRECISION_DTYPES,
     Architecture,
     LayerMap,
     hf_tensor_shapes,
+    keeps_fp32,
     layer_maps,
 )
 from hf.tokenizer import TOKENIZER_DIRECTORY, copy_tokenizer
@@ -170,7 +172,8 @@ def import_from_hf(hf_dir: str | Path, model: ModelConfig, parallel: ParallelCon
         tag_directory = staging / IMPORT_TAG
         tag_directory.mkdir()
         with HFWeights(hf_dir, architecture, fp8_block_size(hf)) as weights:
-            record["skipped_hf_layers"] = _skip_layers_past_the_blocks(weights, hf_dir, model.num_layers, hf)
+            depths = model.mtp.depth if model.mtp is not None else 0  # model.mtp: its depths are layers L .. L+D-1
+            record["skipped_hf_layers"] = _skip_layers_past_the_blocks(weights, hf_dir, model.num_layers + depths, hf)
             for layer in progress_bar(layer_maps(model, architecture), f"import {hf_dir.name}", progress):
                 _write_layer(tag_directory, layer, weights, model, tp)
         if run_config is None:  # the least that open_checkpoint (and so the export) needs
@@ -209,7 +212,7 @@ def _write_layer(tag_directory: Path, layer: LayerMap, weights: HFWeights, model
     for tensor in layer.tensors:
         values = [weights.get(name, shape) for name, shape in hf_tensor_shapes(tensor, model).items()]
         value = values[0] if isinstance(tensor.hf, str) else values  # a sequence for a tensor fused here
-        dtype = torch.float32 if tensor.ours in FP32_TENSORS else precision
+        dtype = torch.float32 if keeps_fp32(tensor.ours) else precision
         for rank, piece in enumerate(split_from_hf(tensor, value, model, tp)):
             shards[rank][tensor.ours] = piece.to(dtype)
     for rank, state in enumerate(shards):

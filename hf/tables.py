@@ -103,6 +103,14 @@ OUR_TENSORS: dict[tuple[str, str], tuple[tuple[str, ...], int | None]] = {
     ("final_norm", "weight"): (("h",), None),
     ("final_norm", "bias"): (("h",), None),
     ("head", "weight"): (("padded_vocab", "h"), 0),
+    # model.mtp's depth (model/mtp.py): its own norms and projection, beside its block (the "block" keys above)
+    ("mtp", "enorm.weight"): (("h",), None),
+    ("mtp", "enorm.bias"): (("h",), None),
+    ("mtp", "hnorm.weight"): (("h",), None),
+    ("mtp", "hnorm.bias"): (("h",), None),
+    ("mtp", "eh_proj.weight"): (("h", "2h"), None),
+    ("mtp", "final_norm.weight"): (("h",), None),
+    ("mtp", "final_norm.bias"): (("h",), None),
 }
 
 # transform name -> (HF stores the transpose, layout); the layouts are handled by split_from_hf / merge_to_hf
@@ -188,10 +196,25 @@ DEEPSEEK_V3_TENSORS = {  # Llama's embedding, norms, o_proj, dense MLP and head;
     ("block", "mlp.block.router.expert_bias"): (_QWEN_MOE + "gate.e_score_correction_bias", "copy"),
     ("block", "mlp.block.shared_expert.gate_up"): ((_QWEN_MOE + "shared_experts.gate_proj.weight",
                                                    _QWEN_MOE + "shared_experts.up_proj.weight"), "gate_up"),
-    ("block", "mlp.block.shared_expert.down"): (_QWEN_MOE + "shared_experts.down_proj.weight", "copy")}
+    ("block", "mlp.block.shared_expert.down"): (_QWEN_MOE + "shared_experts.down_proj.weight", "copy"),
+    # the multi-token prediction module as the official checkpoint stores it, model.layers.{L + k - 1}: its block's
+    # tensors under that index as any block's, and these
+    ("mtp", "enorm.weight"): ("model.layers.{}.enorm.weight", "copy"),
+    ("mtp", "hnorm.weight"): ("model.layers.{}.hnorm.weight", "copy"),
+    ("mtp", "eh_proj.weight"): ("model.layers.{}.eh_proj.weight", "copy"),
+    ("mtp", "final_norm.weight"): ("model.layers.{}.shared_head.norm.weight", "copy")}
+MTP_COPIES = {"model.embed_tokens.weight": "model.layers.{}.embed_tokens.weight",
+              "lm_head.weight": "model.layers.{}.shared_head.head.weight"}
+"""DeepseekV3's multi-token prediction layers also store copies of the embedding and the head (``hf_copies``): an
+export writes them beside the originals, an import reads the originals (model/mtp.py shares the trunk's)."""
 FP32_TENSORS = frozenset({"mlp.block.router.expert_bias"})
 """Our tensors that stay fp32 whatever model.precision (model/moe.py keep_router_biases_fp32): an import writes them
-fp32 and an export too (transformers keeps e_score_correction_bias fp32 as well)."""
+fp32 and an export too (transformers keeps e_score_correction_bias fp32 as well). ``keeps_fp32`` reads it."""
+
+
+def keeps_fp32(key: str) -> bool:
+    """Whether our tensor ``key`` (a block's, or a model.mtp depth's block's: depths.{k}.block.<key>) stays fp32."""
+    return any(key == kept or key.endswith("." + kept) for kept in FP32_TENSORS)
 
 
 @dataclass(frozen=True)
@@ -381,6 +404,9 @@ def _our_keys(config: ModelConfig, kind: str, block: int = 0) -> list[str]:
         return norm
     if kind == "head":
         return [] if config.tie_word_embeddings else ["weight"]
+    if kind == "mtp":
+        return [f"{which}.{p}" for which in ("enorm", "hnorm") for p in norm] + ["eh_proj.weight"] + [
+            f"final_norm.{p}" for p in norm]
     first, second = ("fc1", "fc2") if config.mlp == "gelu" else ("gate_up", "down")
     keys = [f"ln1.{p}" for p in norm]
     if config.attention_type == "mla":
@@ -466,12 +492,44 @@ def layer_maps(config: ModelConfig, architecture: Architecture | None = None) ->
             LayerMap(last, "final norm", _layer_tensors(config, architecture, "final_norm"))]
     if not config.tie_word_embeddings:
         maps.append(LayerMap(last + 1, "output head", _layer_tensors(config, architecture, "head")))
+    if config.mtp is not None:  # model/gpt.py: layer L + 5 (L + 4 and L + 6 use the tied embedding and head)
+        maps.append(LayerMap(last + 3, "multi-token prediction", _mtp_tensors(config, architecture)))
     return maps
+
+
+def _mtp_tensors(config: ModelConfig, architecture: Architecture | None) -> tuple[TensorMap, ...]:
+    """model.mtp's depths, ``depths.{k}.`` + the depth's own keys, ``depths.{k}.block.`` + its block's; HF names
+    where the architecture has them (DeepseekV3: model.layers.{L + k}), none otherwise (the export then leaves the
+    depths out: ``exports_mtp``)."""
+    named = architecture if exports_mtp(architecture) else None
+    tensors = []
+    for depth in range(config.mtp.depth):
+        block = config.num_layers + depth  # 0-based, as the blocks': HF's layer index and is_sparse(block + 1)
+        for kind, prefix in (("mtp", f"depths.{depth}."), ("block", f"depths.{depth}.block.")):
+            tensors += [t._replace(ours=prefix + t.ours) for t in _layer_tensors(config, named, kind, block)]
+    return tuple(tensors)
+
+
+def exports_mtp(architecture: Architecture | None) -> bool:
+    """Whether the architecture stores model.mtp's depths (DeepseekV3's num_nextn_predict_layers)."""
+    return architecture is not None and ("mtp", "eh_proj.weight") in architecture.tensors
+
+
+def hf_copies(config: ModelConfig, architecture: Architecture) -> dict[str, tuple[str, ...]]:
+    """HF name -> the names of its copies the architecture stores too (``MTP_COPIES``; the head's are the
+    embedding's when tied)."""
+    if config.mtp is None or not exports_mtp(architecture):
+        return {}
+    layers = range(config.num_layers, config.num_layers + config.mtp.depth)
+    copies = {source: tuple(name.format(i) for i in layers) for source, name in MTP_COPIES.items()}
+    if config.tie_word_embeddings:
+        copies["model.embed_tokens.weight"] += copies.pop("lm_head.weight")
+    return copies
 
 
 def _dimensions(config: ModelConfig, tensor_parallel_size: int) -> dict[str, int]:
     f = config.ffn_hidden_size
-    sizes = {"h": config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
+    sizes = {"h": config.hidden_size, "2h": 2 * config.hidden_size, "qkv": config.qkv_size, "f": f, "2f": 2 * f, "d": config.head_dim,
              "attention": config.attention_size, "positions": config.max_position_embeddings,
              "padded_vocab": config.padded_vocab_size(tensor_parallel_size), "one": 1}
     if config.attention_type == "mla":
@@ -528,6 +586,13 @@ def hf_shapes(config: ModelConfig, architecture: Architecture | None = None) -> 
     """Every tensor of the exported model, in the order the export writes them (a shape no HF architecture fits is
     refused: ``resolve_architecture``)."""
     architecture = architecture or resolve_architecture(config)
-    return {name: shape for layer in layer_maps(config, architecture) for t in layer.tensors
-            for name, shape in hf_tensor_shapes(t, config).items()}
+    copies = hf_copies(config, architecture)
+    return {each: shape for layer in exported_layers(config, architecture) for t in layer.tensors
+            for name, shape in hf_tensor_shapes(t, config).items() for each in (name, *copies.get(name, ()))}
+
+
+def exported_layers(config: ModelConfig, architecture: Architecture) -> list[LayerMap]:
+    """The layer maps an export writes: every one, but model.mtp's where the architecture does not store it."""
+    return [layer for layer in layer_maps(config, architecture)
+            if not (layer.name == "multi-token prediction" and not exports_mtp(architecture))]
 

@@ -12,7 +12,9 @@ fp8 weights, its multi-token prediction layer and what has no equivalent here. S
       (partial blocks in both dimensions,    scale, cast to bf16, bitwise, in the layer files and in the export; the
       a [40, 64] weight has both at once)    others equal the original cast; e_score_correction_bias stays fp32 in
                                              both; the export has no scale and no quantization_config
-    the multi-token prediction layer       model.layers.4.* skipped with a logged notice, listed in hf_import.json
+    the multi-token prediction layer       model.layers.4.* skipped with a logged notice, listed in hf_import.json;
+                                             with model.mtp read into its depth and written back bit for bit (the
+                                             official layout: its block, norms, eh_proj, embedding and head copies)
     config.json keys                       each refused by name (scoring_func, topk_method, moe_layer_freq, ...);
                                              Kimi-K2's model_type "kimi_k2" read as DeepseekV3
 """
@@ -147,6 +149,54 @@ def test_fp8_weights_are_dequantized_block_by_block(tmp_path, caplog):
         want = expected[name] if name.endswith("e_score_correction_bias") else expected[name].to(torch.bfloat16)
         assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+# -- the multi-token prediction layer in the official layout ---------------------------------------------------------
+
+def with_mtp_layer(hf_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Add to a random DeepseekV3 directory what DeepSeek-V3's release stores as model.layers.4 (num_nextn_predict_
+    layers 1; transformers' own save has none): enorm, hnorm, eh_proj, shared_head.norm, a sparse block, and copies of
+    the embedding and the head. Returns every tensor of the directory by HF name."""
+    from safetensors.torch import save_file
+
+    from hf.tables import hf_shapes
+
+    tensors, generator = load_all(hf_dir), torch.Generator().manual_seed(7)
+    for name, shape in hf_shapes(model).items():
+        if name not in tensors:
+            norm = "norm" in name or name.endswith("e_score_correction_bias")
+            tensors[name] = (1.0 if "norm" in name else 0.0) + (0.1 if norm else 0.05) * torch.randn(
+                shape, generator=generator)
+    tensors["model.layers.4.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.4.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    for file in hf_dir.glob("model*.safetensors*"):
+        file.unlink()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return tensors
+
+
+def test_the_official_mtp_layer_round_trips_bit_for_bit(tmp_path):
+    """With model.mtp in the run config, the import reads model.layers.4 into the depth (layer file L + 5) and the
+    export writes it back under the same names, the embedding's and head's copies included, bit for bit."""
+    hf_dir = random_hf_model(DEEPSEEK, tmp_path / "hf")
+    config = run_config(hf_dir)
+    config["model"]["mtp"] = {"depth": 1}
+    model = parse_run_config(config).model
+    original = with_mtp_layer(hf_dir, model)
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.mlp.experts.7.down_proj.weight",
+            "model.layers.4.mlp.gate.e_score_correction_bias"} <= original.keys()
+    import_from_hf(hf_dir, model, ParallelConfig(2, 2), tmp_path / "checkpoint", run_config=config, progress=False)
+    assert json.loads((tmp_path / "checkpoint" / "hf_import.json").read_text())["skipped_hf_layers"] == []
+    depth = torch.load(layer_file(tmp_path / "checkpoint" / "global_step0", 4 + 5, 1), weights_only=True)
+    assert torch.equal(depth["depths.0.eh_proj.weight"], original["model.layers.4.eh_proj.weight"])
+    assert depth["depths.0.block.mlp.block.router.expert_bias"].dtype == torch.float32
+    out = export_to_hf(tmp_path / "checkpoint", tmp_path / "back", progress=False)
+    back = load_all(out)
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
 def test_a_scale_of_the_wrong_shape_is_refused():
