@@ -11,6 +11,16 @@ vocabulary; GPT shape, Narayanan et al. 2021, eq. 3):
         "none"      nothing
 The logits (2 h V per token forward) are never recomputed. The trainer (training/metrics.py) and the planner
 (planner/) both count with these functions.
+
+Multi-token prediction (model.mtp, D depths: model/mtp.py) adds, per token and forward, for each depth k = 1 .. D
+
+    F_mtp,k = F_block(L + k) + 2 x 2h^2 + 2 h V      its block (layer number L + k: dense, or sparse with top_k of its
+                                                     experts, model.moe.is_sparse), eh_proj (2h -> h) and its logits
+                                                     through the shared head
+
+so F_model = 3 B s (l F_layer + sum_k F_mtp,k) + 6 B s h V. Recompute reruns a depth's block as it would a trunk
+block of that number (ModelConfig.recomputes_block(L + k)): its whole forward ("full") or its attention core
+("selective"); eh_proj and the logits are never rerun. The norms and the embedding lookup are not counted.
 """
 
 from __future__ import annotations
@@ -32,6 +42,30 @@ def layer_forward_flops_per_token(config: ModelConfig) -> float:
     """
     weights = attention_weights(config) + mean_mlp_active_weights(config)
     return 2.0 * weights + attention_core_flops_per_token(config)
+
+
+def block_forward_flops_per_token(config: ModelConfig, layer_number: int) -> float:
+    """Forward FLOPs per token of block ``layer_number`` itself (not the mean block): 2 x (the attention's weights +
+    its MLP's active weights: dense, or sparse by model.moe.is_sparse) + the attention core. Numbers past L are
+    model.mtp's blocks (L + k)."""
+    return 2.0 * (attention_weights(config) + mlp_active_weights(config, layer_number)) \
+        + attention_core_flops_per_token(config)
+
+
+def mtp_forward_flops_per_token(config: ModelConfig, tensor_parallel_size: int = 1) -> float:
+    """Forward FLOPs per token of model.mtp's D depths: sum_k F_block(L + k) + 4 h^2 (eh_proj) + 2 h V (its logits,
+    V padded for ``tensor_parallel_size``); 0 without model.mtp (module docstring)."""
+    if config.mtp is None:
+        return 0.0
+    h, vocabulary = config.hidden_size, config.padded_vocab_size(tensor_parallel_size)
+    return sum(block_forward_flops_per_token(config, number) + 2.0 * 2 * h * h + 2.0 * h * vocabulary
+               for number in mtp_block_numbers(config))
+
+
+def mtp_block_numbers(config: ModelConfig) -> range:
+    """The layer numbers of model.mtp's blocks, L + 1 .. L + D (empty without model.mtp)."""
+    depth = 0 if config.mtp is None else config.mtp.depth
+    return range(config.num_layers + 1, config.num_layers + depth + 1)
 
 
 def attention_weights(config: ModelConfig) -> int:
@@ -63,14 +97,17 @@ def mean_mlp_active_weights(config: ModelConfig) -> float:
     """The MLP matmul weights one token meets in a block, averaged over the blocks: the dense MLP's (2 or 3 h ffn); in
     a sparse block of a Mixture-of-Experts model (model.moe), the router (h E), top_k SwiGLU experts (3 h F each) and
     the shared expert (shared_expert_weights): the active FLOPs, as Megatron-LM counts MFU for MoE."""
-    h = config.hidden_size
-    dense = (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
-    moe = config.moe
-    if moe is None:
-        return float(dense)
-    sparse = h * moe.num_experts + moe.top_k * 3 * h * moe.moe_ffn_hidden_size + shared_expert_weights(config, 1)
-    sparse_blocks = sum(moe.is_sparse(number) for number in range(1, config.num_layers + 1))
-    return (sparse_blocks * sparse + (config.num_layers - sparse_blocks) * dense) / config.num_layers
+    blocks = range(1, config.num_layers + 1)
+    return sum(mlp_active_weights(config, number) for number in blocks) / config.num_layers
+
+
+def mlp_active_weights(config: ModelConfig, layer_number: int) -> int:
+    """The MLP matmul weights one token meets in block ``layer_number``: 2 or 3 h ffn dense; sparse (model.moe
+    .is_sparse) h E + top_k x 3 h F + the shared expert."""
+    h, moe = config.hidden_size, config.moe
+    if moe is None or not moe.is_sparse(layer_number):
+        return (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    return h * moe.num_experts + moe.top_k * 3 * h * moe.moe_ffn_hidden_size + shared_expert_weights(config, 1)
 
 
 def shared_expert_weights(config: ModelConfig, tensor_parallel_size: int) -> int:
@@ -110,6 +147,32 @@ def recomputed_blocks(config: ModelConfig, pipeline_parallel_size: int | None, r
     return min(config.recompute_num_layers, per_stage) * pipeline_parallel_size
 
 
+def mtp_recompute_flops_per_token(config: ModelConfig, pipeline_parallel_size: int | None,
+                                  recompute: str | None = None) -> float:
+    """Forward FLOPs per token that model.mtp's blocks rerun in the backward: for each block L + k that recomputes
+    (ModelConfig.recomputes_block, as the pipeline builds it), its whole forward ("full") or its core
+    ("selective"); 0 without model.mtp or with "none"."""
+    recompute = config.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute == "none" or config.mtp is None:
+        return 0.0
+    if config.recompute_num_layers is None:
+        numbers = list(mtp_block_numbers(config))
+    elif pipeline_parallel_size is None:
+        raise ValueError("model.recompute_num_layers counts blocks per pipeline stage: pass pipeline_parallel_size")
+    else:
+        numbers = [n for n in mtp_block_numbers(config) if config.recomputes_block(n, pipeline_parallel_size)]
+    return sum(block_recompute_flops_per_token(config, n, recompute) for n in numbers)
+
+
+def block_recompute_flops_per_token(config: ModelConfig, layer_number: int, recompute: str) -> float:
+    """What block ``layer_number`` itself reruns per token: its forward ("full"), its core ("selective") or 0."""
+    if recompute == "full":
+        return block_forward_flops_per_token(config, layer_number)
+    return attention_core_flops_per_token(config) if recompute == "selective" else 0.0
+
+
 def _recompute_mode(config: ModelConfig, recompute: str | bool | None) -> str:
     """None: the config's mode; a string: that mode; the old booleans: True "full", False "none"."""
     if recompute is None:
@@ -131,14 +194,17 @@ def flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_
     mode = _recompute_mode(config, recompute)
     tokens = global_batch * config.seq_length
     recomputed = recomputed_blocks(config, pipeline_parallel_size, mode) * recompute_flops_per_token(config, mode)
+    recomputed += mtp_recompute_flops_per_token(config, pipeline_parallel_size, mode)
     return model_flops_per_iteration(config, global_batch, tensor_parallel_size) + tokens * recomputed
 
 
 def model_flops_per_iteration(config: ModelConfig, global_batch: int, tensor_parallel_size: int) -> float:
-    """Model FLOPs of one optimizer step: forward + backward, 3 forwards' worth, no recompute (PaLM's MFU)."""
+    """Model FLOPs of one optimizer step: forward + backward, 3 forwards' worth, no recompute (PaLM's MFU); with
+    model.mtp its D depths too (mtp_forward_flops_per_token)."""
     tokens = global_batch * config.seq_length
     logits = 3.0 * 2.0 * config.hidden_size * config.padded_vocab_size(tensor_parallel_size)
-    return tokens * (3.0 * config.num_layers * layer_forward_flops_per_token(config) + logits)
+    mtp = 3.0 * mtp_forward_flops_per_token(config, tensor_parallel_size)
+    return tokens * (3.0 * config.num_layers * layer_forward_flops_per_token(config) + mtp + logits)
 
 
 def tflops_per_gpu(flops: float, iteration_seconds: float, num_gpus: int) -> float:

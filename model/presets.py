@@ -69,8 +69,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 and its descendants: multi-head latent attention (model.attention_type "mla", model/mla.py) and
     # fine-grained experts routed by sigmoid scores plus a balancing bias, within groups (model.moe.router
     # "sigmoid_bias"), one shared expert without a gate, the first blocks dense. Counts equal transformers'
-    # DeepseekV3ForCausalLM built from the same numbers (tests/test_llama_presets.py). Without model.mtp: the
-    # multi-token prediction module is not counted (transformers' count leaves it out too).
+    # DeepseekV3ForCausalLM built from the same numbers (tests/test_llama_presets.py), which leave DeepSeek-V3's
+    # multi-token prediction module out (model.mtp: the paper's D 1, lambda 0.3, 0.1 after 10T tokens; Kimi-K2 and
+    # Moonlight have none); model/summary.py prints it apart.
     # DeepSeek-V3 (its technical report, arXiv:2412.19437, and transformers' DeepseekV3Config defaults, which are V3's):
     # 61 layers, h 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, the first 3
     # blocks dense (intermediate 18432), then 256 routed experts of 2048 and 1 shared (2048), top 8 in at most 4 of 8
@@ -89,7 +90,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                         moe=dict(num_experts=256, top_k=8, moe_ffn_hidden_size=2048, router="sigmoid_bias",
                                  norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
                                  shared_expert_ffn_hidden_size=2048, shared_expert_gate=False, first_dense_layers=3,
-                                 aux_loss_coeff=0.0, sequence_aux_loss_coeff=1e-4, bias_update_rate=1e-3)),
+                                 aux_loss_coeff=0.0, sequence_aux_loss_coeff=1e-4, bias_update_rate=1e-3),
+                        mtp=dict(depth=1, loss_weight=0.3, loss_weight_changes=[[1e13, 0.1]])),
     # Kimi-K2 (Moonshot AI's config.json, from memory): DeepSeek-V3's trunk with 64 heads, 384 routed experts of
     # 2048 and 1 shared, top 8 without groups, routed_scaling_factor 2.827, only the first block dense, vocab 163840,
     # theta 5e4, rms eps 1e-6, YaRN factor 32 over 4096 (max positions 131072; beta_fast 1, beta_slow 1, mscale 1,

@@ -8,6 +8,16 @@ model (model.moe) is counted from its config alone, total and active (what one t
 builds its sparse blocks:
 
     python -m model.summary --preset mixtral-8x7b
+
+Multi-token prediction (model.mtp, model/mtp.py) adds one layer on the last stage, MultiTokenPrediction, of D depths:
+
+    depth k = 1 .. D    eh_proj 2h x h (no bias, replicated over TP) + enorm, hnorm, final_norm (3 norms, replicated)
+                        + block L + k (dense, or sparse with its experts: model.moe.is_sparse(L + k))
+
+plus, untied, the last stage's copy of the word embedding (tied to the first stage's: counted once). The total and
+active counts are transformers' (DeepseekV3ForCausalLM ignores the MTP layer): without it; the MTP module's count is
+printed beside them, and the official DeepSeek-V3 checkpoint's size, whose layer 61 (the MTP layer) also stores its
+own copies of the embedding and of the head (``official_checkpoint_parameters``).
 """
 
 from __future__ import annotations
@@ -39,19 +49,22 @@ class StageCount:
     parameters_per_stage: int
     """All TP ranks of the stage together, replicated parameters (LayerNorms, row-parallel biases, positions) once."""
     blocks: tuple[int, ...] = ()
-    """The numbers (1 .. L) of its transformer blocks."""
+    """The numbers of its transformer blocks: 1 .. L, and on the last stage model.mtp's L + 1 .. L + D (each built
+    as block L + k: its recompute mode, dense or sparse), which the planner's activations, recompute and
+    communication counts read."""
     phases: tuple[StageCount, ...] = ()
     """Under DualPipeV (a count per pipeline rank): the rank's two stages, r (phase 0, on the way out) and 2 PP - 1 - r
     (phase 1, on the way back); empty under 1F1B, where the rank is its stage."""
 
 
 def stage_boundaries(config: ModelConfig, pipeline_parallel_size: int) -> list[int]:
-    """DeepSpeed's partition_balanced over the transformer blocks (the 'type:TransformerLayer' method)."""
-    from model.gpt import gpt_layer_specs
+    """What the pipeline cuts under the 'type:TransformerLayer' method: DeepSpeed's partition_balanced over the
+    blocks (model/gpt.py partition_weights; model.mtp's layer weighing D blocks, then pinned with everything after
+    the last block to the last stage: mtp_partition)."""
+    from model.gpt import mtp_partition, partition_weights
 
-    specs = gpt_layer_specs(config, ParallelContext(), seed=0)
-    weights = [1 if spec.typename.__name__ == "TransformerLayer" else 0 for spec in specs]
-    return ds_internals.partition_balanced(weights, pipeline_parallel_size)
+    parts = ds_internals.partition_balanced(partition_weights(config), pipeline_parallel_size)
+    return mtp_partition(config, parts, "type:TransformerLayer") if config.mtp is not None else parts
 
 
 def dense_block_parameters(config: ModelConfig, tensor_parallel_size: int) -> int:
@@ -120,6 +133,67 @@ def _norm_parameters(config: ModelConfig) -> int:
     return 2 * config.hidden_size if config.norm == "layernorm" else config.hidden_size
 
 
+def mtp_parameters(config: ModelConfig, tensor_parallel_size: int = 1, routed_experts: int | None = None) -> int:
+    """model.mtp's MultiTokenPrediction layer on one TP rank (module docstring): sum over k = 1 .. D of 2 h^2
+    (eh_proj) + 3 norms + block L + k, dense or sparse holding ``routed_experts`` of its experts (default: all);
+    0 without model.mtp. DeepSeek-V3 (D 1, block 62 sparse): 102,760,448 + 3 x 7,168 + 11,507,286,016."""
+    from model.flops import mtp_block_numbers
+
+    h, tp, moe = config.hidden_size, tensor_parallel_size, config.moe
+
+    def block(number: int) -> int:
+        if moe is not None and moe.is_sparse(number):
+            return sparse_block_parameters(config, tp, moe.num_experts if routed_experts is None else routed_experts)
+        return dense_block_parameters(config, tp)
+
+    return sum(2 * h * h + 3 * _norm_parameters(config) + block(n) for n in mtp_block_numbers(config))
+
+
+def official_checkpoint_parameters(config: ModelConfig) -> int:
+    """The parameters of a Hugging Face checkpoint that stores model.mtp as DeepSeek-V3's does: transformers' count
+    (tokenizer_vocabulary_total) + each MTP layer (model.layers.{L + k - 1}: the MTP module, and its own copies of
+    the embedding, embed_tokens, and of the head, shared_head.head, V h each). DeepSeek-V3: 671,026,404,352 +
+    11,610,067,968 + 2 x 926,679,040 = 684,489,830,400 (published: 685B, "671B of the main model and 14B of the MTP
+    module"; the difference is the fp8 release's block scales: fp8_checkpoint_extras)."""
+    unpadded = dataclasses.replace(config, make_vocab_size_divisible_by=1)
+    depth = 0 if config.mtp is None else config.mtp.depth
+    copies = depth * 2 * config.vocab_size * config.hidden_size
+    return tokenizer_vocabulary_total(config) + mtp_parameters(unpadded) + copies
+
+
+def fp8_checkpoint_extras(config: ModelConfig, block: int = 128) -> int:
+    """What DeepSeek-V3's fp8 release stores beside the weights and which its published parameter count includes:
+    one fp32 weight_scale_inv per block x block tile of each fp8 matrix (the blocks' attention and MLP matrices,
+    every expert's; not the embedding, head, norms, routers or eh_proj, which are bf16), and each sparse block's
+    router score bias (E fp32, a buffer here), the MTP layer's block included. An MLA model's (DeepSeek-V3's
+    layout); DeepSeek-V3: 41,540,496 + 15,104. Counted from that layout as remembered, not read from the release."""
+    from model.flops import mtp_block_numbers
+
+    h, moe = config.hidden_size, config.moe
+
+    def tiles(rows: int, columns: int) -> int:
+        return math.ceil(rows / block) * math.ceil(columns / block)
+
+    heads, q_width = config.num_attention_heads, config.num_attention_heads * config.head_dim
+    attention = tiles(config.q_lora_rank, h) + tiles(q_width, config.q_lora_rank) if config.q_lora_rank \
+        else tiles(q_width, h)
+    attention += tiles(config.kv_lora_rank + config.qk_rope_head_dim, h) + tiles(h, config.attention_size)
+    attention += tiles(heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)
+
+    def swiglu(ffn: int) -> int:
+        return 2 * tiles(ffn, h) + tiles(h, ffn)
+
+    total = 0
+    for number in [*range(1, config.num_layers + 1), *mtp_block_numbers(config)]:
+        total += attention
+        if moe is not None and moe.is_sparse(number):
+            total += moe.num_experts * swiglu(moe.moe_ffn_hidden_size) + moe.num_experts  # the scales, the bias
+            total += swiglu(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0
+        else:
+            total += swiglu(config.ffn_hidden_size)
+    return total
+
+
 def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_size: int) -> int:
     """Parameters of one layer on one TP rank, from the formula (h hidden, V padded vocab, P positions)."""
     h, tp = config.hidden_size, tensor_parallel_size
@@ -133,12 +207,15 @@ def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_si
         return _norm_parameters(config)
     if name == "TransformerLayer":
         return dense_block_parameters(config, tp)
+    if name == "MultiTokenPrediction":
+        return mtp_parameters(config, tp)
     raise ValueError(f"no formula for layer {name}")
 
 
 def analytic_total_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
     """The whole model, a tied embedding counted once: V h (x 2 untied) + P h (learned positions) + the L blocks
-    (dense, or sparse with all their experts: model.moe) + norm, from the config alone.
+    (dense, or sparse with all their experts: model.moe) + norm, from the config alone; transformers' count, without
+    model.mtp's module (mtp_parameters; analytic_built_parameters adds it).
 
     GPT-2: V h + P h + L (4h^2 + 2hf + f + 9h) + 2h. V is the padded vocabulary: for the tokenizer's own count (the
     one Hugging Face reports), pass a config with make_vocab_size_divisible_by=1 and TP 1."""
@@ -150,6 +227,12 @@ def analytic_active_parameters(config: ModelConfig, tensor_parallel_size: int = 
     expert included), every dense parameter and both embeddings when untied; the total for a dense model.
     Mixtral-8x7B: 12,879,925,248 of 46,702,792,704."""
     return _model_parameters(config, tensor_parallel_size, active=True)
+
+
+def analytic_built_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """What the pipeline builds, one replica: analytic_total_parameters + model.mtp's module (its word embedding
+    copy tied: counted once)."""
+    return analytic_total_parameters(config, tensor_parallel_size) + mtp_parameters(config, tensor_parallel_size)
 
 
 def _model_parameters(config: ModelConfig, tensor_parallel_size: int, active: bool) -> int:
@@ -217,10 +300,7 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
     ctx = ParallelContext(tensor_parallel_size=tensor_parallel_size, tensor_parallel_rank=tensor_parallel_rank,
                           pipeline_parallel_size=pipeline_parallel_size)
     specs = gpt_layer_specs(config, ctx, seed=0)
-    block_numbers = {}
-    for i, spec in enumerate(specs):
-        if spec.typename.__name__ == "TransformerLayer":
-            block_numbers[i] = len(block_numbers) + 1
+    block_numbers = layer_block_numbers(config, [spec.typename.__name__ for spec in specs])
     with torch.device("meta"):
         built = [(i, getattr(spec, "key", None), spec.build()) for i, spec in enumerate(specs)]
 
@@ -240,7 +320,7 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
             analytic_per_tp_rank=sum(analytic_layer_parameters(config, n, tensor_parallel_size) for n in names),
             parameters_per_stage=sum(p.numel() * (tensor_parallel_size if getattr(p, "tensor_model_parallel", False)
                                                   else 1) for p in parameters),
-            blocks=tuple(block_numbers[i] for i, _, _ in layers if i in block_numbers), phases=phases)
+            blocks=tuple(n for i, _, _ in layers for n in block_numbers[i]), phases=phases)
 
     if per_rank == 1:
         return [count(stage, [stage]) for stage in range(stages)]
@@ -248,10 +328,24 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
             for rank in range(pipeline_parallel_size)]
 
 
+def layer_block_numbers(config: ModelConfig, names: list[str]) -> list[tuple[int, ...]]:
+    """The block numbers each layer of gpt_layer_specs (by class name) holds: (n,) for block n, L + 1 .. L + D for
+    model.mtp's MultiTokenPrediction, () for the others."""
+    from model.flops import mtp_block_numbers
+
+    numbers, block = [], 0
+    for name in names:
+        block += name == "TransformerLayer"
+        numbers.append((block,) if name == "TransformerLayer" else
+                       tuple(mtp_block_numbers(config)) if name == "MultiTokenPrediction" else ())
+    return numbers
+
+
 def total_from_stages(counts: list[StageCount], config: ModelConfig, tensor_parallel_size: int) -> int:
-    """The model's parameters from the stages' modules: the tied embedding (first and last stage) counted once."""
+    """The model's parameters from the stages' modules: the word embedding held by the first and the last stage
+    (tied to the head, or model.mtp's copy for its depths) counted once."""
     total = sum(c.parameters_per_stage for c in counts)
-    if sum("WordEmbedding" in c.layers for c in counts) > 1 and config.tie_word_embeddings:
+    if sum("WordEmbedding" in c.layers for c in counts) > 1:
         total -= config.padded_vocab_size(tensor_parallel_size) * config.hidden_size
     return total
 
@@ -296,7 +390,7 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
         ok = "yes" if c.parameters_per_tp_rank == c.analytic_per_tp_rank else "NO"
         lines.append(f"{c.stage:>5}  {layers:<46} {c.parameters_per_tp_rank:>18,} {c.analytic_per_tp_rank:>18,}  {ok}")
     total = total_from_stages(counts, config, tensor_parallel_size)
-    analytic = analytic_total_parameters(config, tensor_parallel_size)
+    analytic = analytic_built_parameters(config, tensor_parallel_size)
     padded = config.padded_vocab_size(tensor_parallel_size)
     embedding = "tied embedding once" if config.tie_word_embeddings else "untied head"
     lines += [
@@ -304,7 +398,9 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
         f"total with the tokenizer's vocabulary ({config.vocab_size:,}; what transformers reports): "
         f"{tokenizer_vocabulary_total(config):,}",
         f"total as built here, vocabulary padded to {padded:,} for TP {tensor_parallel_size} (one replica, "
-        f"{embedding}): {total:,} from the modules, {analytic:,} analytic ({'equal' if total == analytic else 'DIFFERENT'})",
+        f"{embedding}{', the MTP module' if config.mtp else ''}): {total:,} from the modules, {analytic:,} analytic "
+        f"({'equal' if total == analytic else 'DIFFERENT'})",
+        *mtp_lines(config),
         block_matrices_line(config),
         f"largest rank: {max(c.parameters_per_tp_rank for c in counts):,} parameters",
     ]
@@ -331,7 +427,32 @@ def format_moe_summary(config: ModelConfig, tensor_parallel_size: int) -> str:
         f"{tokenizer_vocabulary_active(config):,}",
         f"total and active, vocabulary padded to {config.padded_vocab_size(tp):,} for TP {tp}: "
         f"{analytic_total_parameters(config, tp):,} and {analytic_active_parameters(config, tp):,}",
+        *mtp_lines(config),
     ])
+
+
+def mtp_lines(config: ModelConfig) -> list[str]:
+    """model.mtp's module beside transformers' counts, and a checkpoint's size that stores it as DeepSeek-V3's
+    does (module docstring); nothing without model.mtp."""
+    if config.mtp is None:
+        return []
+    unpadded = dataclasses.replace(config, make_vocab_size_divisible_by=1)
+    module, depth = mtp_parameters(unpadded), config.mtp.depth
+    official = official_checkpoint_parameters(config)
+    lines = [
+        f"multi-token prediction (model.mtp, depth {depth}; not in the counts above, as transformers ignores it): "
+        f"{module:,} parameters (eh_proj 2 h^2, 3 norms and block{'s' if depth > 1 else ''} "
+        f"{', '.join(str(config.num_layers + k) for k in range(1, depth + 1))})",
+        f"a checkpoint with it, each MTP layer also storing its own copies of the embedding and the head (DeepSeek-V3's"
+        f" layer {config.num_layers}): {official:,} = {tokenizer_vocabulary_total(config):,} + "
+        f"{official - tokenizer_vocabulary_total(config):,}",
+    ]
+    if config.attention_type == "mla" and config.moe is not None:
+        extras = fp8_checkpoint_extras(config)
+        lines.append(f"with the fp8 release's block scales and the routers' score biases ({extras:,}): "
+                     f"{official + extras:,} ({(official + extras) / 1e9:,.2f}B; DeepSeek-V3's published 685B = 671B "
+                     f"+ 14B of MTP)")
+    return lines
 
 
 def _compress(names: list[str]) -> str:

@@ -83,9 +83,10 @@ def checkpoint_cost(config: RunConfig, parameters: ParameterCounts, data_paralle
     per_rank = weight * n + OPTIMIZER_BYTES * (n - experts) // d + OPTIMIZER_BYTES * experts // (d // ep)
     held = tp * sum(count.parameters_per_tp_rank + (ep - 1) * expert_parameters_of(count)
                     for count in parameters.stages)  # every TP rank's own copy
-    # the head's copy of the tied embedding on the last stage is not saved (DualPipeV holds both ends on rank 0, once)
+    # the last stage's copy of the tied embedding (the head's, or model.mtp's) is not saved (DualPipeV holds both
+    # ends on rank 0, once)
     tied_again = (config.model.padded_vocab_size(tp) * config.model.hidden_size
-                  if config.model.tie_word_embeddings and sum("WordEmbedding" in c.layers for c in parameters.stages) > 1
+                  if sum("WordEmbedding" in c.layers for c in parameters.stages) > 1
                   else 0)
     per_run = weight * (held - tied_again) + OPTIMIZER_BYTES * held
     per_node = min(hardware.gpus_per_node, tp * config.parallelism.pipeline_parallel_size * d) * per_rank

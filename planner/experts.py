@@ -11,10 +11,11 @@ Parameters of one TP rank of stage i (model/moe.py's tensors; a rank holds only 
     each layer but the sparse blocks as model/summary.py counts it; each sparse block
         attention and norms (a dense block's, /t) + router E h + E_l x 3 h F / t + (3 h F_s / t + h: the shared
         expert and its gate, when F_s > 0; no gate: shared_expert_gate false)
-    the router and the shared gate replicated over TP. N^e_i = (sparse blocks of the stage) x E_l x 3 h F / t are
-    its expert parameters. Counted from the config (model/summary.py sparse_block_parameters, the block count
-    the model's total and active counts use too); tests/test_planner_moe.py checks the count against the model
-    built on the meta device at EP 2. DeepSeek-V3 at EP 64: each sparse block 187,121,664 (MLA and its norms) +
+    the router and the shared gate replicated over TP; model.mtp's module (last stage) as model/summary.py
+    mtp_parameters counts it, its sparse blocks (L + k) with E_l experts too. N^e_i = (sparse blocks of the stage,
+    model.mtp's included) x E_l x 3 h F / t are its expert parameters. Counted from the config (model/summary.py
+    sparse_block_parameters, the block count the model's total and active counts use too); tests/test_planner_moe.py
+    checks the count against the model built on the meta device at EP 2. DeepSeek-V3 at EP 64: each sparse block 187,121,664 (MLA and its norms) +
     1,835,008 (router) + 4 x 44,040,192 (its experts) + 44,040,192 (the shared expert) = 409,157,632 per GPU.
 Optimizer states (ZeRO-1). DeepSpeed's optimizers hold the experts in a parameter group of their own
     (training/engine.py) and partition it over the expert-data-parallel group, the d / P data ranks that hold the
@@ -60,6 +61,8 @@ from model.summary import (
     analytic_layer_parameters,
     check_split,
     dense_block_parameters,
+    layer_block_numbers,
+    mtp_parameters,
     sparse_block_parameters,
     stage_boundaries,
 )
@@ -108,31 +111,34 @@ def count_expert_stages(model: ModelConfig, tensor_parallel_size: int, pipeline_
     bounds = stage_boundaries(model, stages)
     specs = gpt_layer_specs(model, ParallelContext(), seed=0)
     local = model.moe.num_experts // ep
-    layers, block = [], 0  # (name, tie key, block number or 0)
-    for spec in specs:
-        name = spec.typename.__name__
-        block += name == "TransformerLayer"
-        layers.append((name, getattr(spec, "key", None), block if name == "TransformerLayer" else 0))
+    names = [spec.typename.__name__ for spec in specs]
+    # (name, tie key, the block numbers it holds: (n,) for block n, L + 1 .. L + D for model.mtp's layer)
+    layers = [(name, getattr(spec, "key", None), numbers)
+              for name, spec, numbers in zip(names, specs, layer_block_numbers(model, names), strict=True)]
 
-    def per_tp_rank(name: str, number: int) -> int:
-        if number and model.moe.is_sparse(number):
+    def per_tp_rank(name: str, numbers: tuple[int, ...]) -> int:
+        if name == "MultiTokenPrediction":
+            return mtp_parameters(model, tp, local)
+        if numbers and model.moe.is_sparse(numbers[0]):
             return sparse_block_parameters(model, tp, local)
         return analytic_layer_parameters(model, name, tp)
 
-    def whole(name: str, number: int) -> int:  # all TP ranks of the stage, the replicated parameters once
-        if number:
-            return sparse_block_parameters(model, 1, local) if model.moe.is_sparse(number) \
+    def whole(name: str, numbers: tuple[int, ...]) -> int:  # all TP ranks of the stage, the replicated ones once
+        if name == "MultiTokenPrediction":
+            return mtp_parameters(model, 1, local)
+        if numbers:
+            return sparse_block_parameters(model, 1, local) if model.moe.is_sparse(numbers[0]) \
                 else dense_block_parameters(model, 1)
         return analytic_layer_parameters(model, name, tp) * (tp if name in VOCABULARY_PARALLEL else 1)
 
     def count(stage: int, stage_ids: list[int], phases: tuple = ()) -> ExpertStageCount:
         held, seen = [], set()
         for s in stage_ids:
-            for name, key, number in layers[bounds[s]:bounds[s + 1]]:
+            for name, key, numbers in layers[bounds[s]:bounds[s + 1]]:
                 if key is None or key not in seen:  # a rank holding both ends of a tied layer builds it once
-                    held.append((name, number))
+                    held.append((name, numbers))
                 seen.add(key)
-        blocks = tuple(number for _, number in held if number)
+        blocks = tuple(number for _, numbers in held for number in numbers)
         sparse = sum(model.moe.is_sparse(number) for number in blocks)
         parameters = sum(per_tp_rank(name, number) for name, number in held)
         return ExpertStageCount(
@@ -145,6 +151,13 @@ def count_expert_stages(model: ModelConfig, tensor_parallel_size: int, pipeline_
         return [count(stage, [stage]) for stage in range(stages)]
     return [count(rank, [rank, stages - 1 - rank], (count(rank, [rank]), count(stages - 1 - rank, [stages - 1 - rank])))
             for rank in range(pp)]
+
+
+def recompute_groups(model: ModelConfig, count: StageCount, pipeline_parallel_size: int | None) -> int:
+    """The pipeline-parallel size ModelConfig.recomputes_block counts recompute_num_layers over: the run's, or
+    without it the stage's trunk blocks taken as one stage's share."""
+    trunk = sum(number <= model.num_layers for number in count.blocks)
+    return pipeline_parallel_size or (model.num_layers // trunk if trunk else 1)
 
 
 def expert_parallel_choices(model: ModelConfig, data_parallel_size: int) -> list[int]:
@@ -201,6 +214,6 @@ def all_to_alls_per_micro_batch(model: ModelConfig, count: StageCount, pipeline_
     one (module docstring); 0 for a dense model."""
     if model.moe is None:
         return 0
-    groups = pipeline_parallel_size or (model.num_layers // len(count.blocks) if count.blocks else 1)
+    groups = recompute_groups(model, count, pipeline_parallel_size)
     rerun = model.recompute == "full"
     return sum(4 + 2 * (rerun and model.recomputes_block(n, groups)) for n in count.blocks if model.moe.is_sparse(n))

@@ -58,7 +58,11 @@ Memory of stage i
         MLP's up-projection output), counted apart: not in the stage totals below.
         Each held micro-batch also keeps the stage's input (e s b h u: the received tensor, or the embedding output);
         the last stage adds its head once: the final norm's output (the head's input) and statistics, and the
-        logits and their gradient, 2 e s b V / t.
+        logits and their gradient, 2 e s b V / t. With model.mtp (D depths, model/mtp.py) the last stage's blocks
+        L + 1 .. L + D keep what a trunk block of that number keeps (its recompute mode, dense or sparse), and each
+        depth adds to the head (mtp_stored_tensors, per token) the embedding of its tokens e h u, the enorm, hnorm
+        and norm_k rows, eh_proj's input 2 e h u, norm_k's output e h u and its logits e V / t, and its logits'
+        gradient e V / t to the working set (the tokens carried, 8 bytes a position, left out).
     Under DualPipeV (parallelism.pipeline_schedule "dualpipev") a pipeline rank holds two stages, r and 2p - 1 - r,
         and what it keeps at each instruction boundary is counted from its instruction stream
         (planner.pipeline_schedule.activations_in_flight): each stage's micro-batches in flight times that stage's
@@ -75,8 +79,14 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.gpt import FINAL_NORMS
-from model.summary import StageCount, analytic_total_parameters, count_stages, total_from_stages
-from planner.experts import count_expert_stages, expert_parameters_of, kept_assignments_per_token, splits_the_sequence
+from model.summary import StageCount, analytic_built_parameters, count_stages, total_from_stages
+from planner.experts import (
+    count_expert_stages,
+    expert_parameters_of,
+    kept_assignments_per_token,
+    recompute_groups,
+    splits_the_sequence,
+)
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
 from planner.pipeline_schedule import activations_in_flight
 from runconfig.run import RunConfig
@@ -87,9 +97,9 @@ class ParameterCounts:
     stages: list[StageCount]
     """Every stage of one TP rank, built on the meta device, with the closed-form count beside it."""
     total: int
-    """One replica from the modules, the tied embedding once."""
+    """One replica from the modules, the tied embedding once, model.mtp's module included."""
     analytic_total: int
-    """model.summary.analytic_total_parameters."""
+    """model.summary.analytic_built_parameters: transformers' count and model.mtp's module."""
 
 
 def count_parameters(config: RunConfig, uneven_stages: bool = False) -> ParameterCounts:
@@ -101,16 +111,22 @@ def count_parameters(config: RunConfig, uneven_stages: bool = False) -> Paramete
     if config.model.moe is not None:
         stages = count_expert_stages(config.model, tp, pp, config.parallelism.expert_parallel_size,
                                      config.parallelism.pipeline_schedule, uneven_stages)
-        total = analytic_total_parameters(config.model, tp)
+        total = analytic_built_parameters(config.model, tp)
         return ParameterCounts(stages, total, total)
     stages = count_stages(config.model, tp, pp, pipeline_schedule=config.parallelism.pipeline_schedule,
                           uneven_stages=uneven_stages)
     return ParameterCounts(stages, total_from_stages(stages, config.model, tp),
-                           analytic_total_parameters(config.model, tp))
+                           analytic_built_parameters(config.model, tp))
 
 
 def transformer_layers(count: StageCount) -> int:
+    """The stage's trunk blocks (1 .. L); model.mtp's are mtp_blocks'."""
     return sum(name == "TransformerLayer" for name in count.layers)
+
+
+def mtp_blocks(model: ModelConfig, count: StageCount) -> int:
+    """model.mtp's blocks on this stage (L + 1 .. L + D: the last stage's), 0 elsewhere or without model.mtp."""
+    return sum(number > model.num_layers for number in count.blocks)
 
 
 def hidden_tensor_bytes(model: ModelConfig, micro_batch: int, context_parallel_size: int = 1) -> int:
@@ -374,6 +390,21 @@ def layer_backward_transient_bytes(model: ModelConfig, micro_batch: int, tensor_
     return DTYPE_BYTES[model.precision] * width * model.seq_length // context_parallel_size * micro_batch
 
 
+def mtp_stored_tensors(model: ModelConfig, tensor_parallel_size: int, replicated_share: float) -> list[StoredTensor]:
+    """What one model.mtp depth keeps for its backward besides its block's (model/mtp.py), per token; replicated
+    tensors h u wide (``replicated_share`` u: 1/t with SP), its logits V/t. Derived from the code, not measured."""
+    dtype, h, u = DTYPE_BYTES[model.precision], model.hidden_size, replicated_share
+    return [
+        StoredTensor("e^k, the embedding of the rolled tokens (enorm's input)", dtype * h * u, ALL_MODES),
+        *_norm_rows(model, h * u, "enorm"), *_norm_rows(model, h * u, "hnorm"),
+        StoredTensor("[enorm(e); hnorm(h)], eh_proj's input", dtype * 2 * h * u, ALL_MODES),
+        *_norm_rows(model, h * u, "final norm_k"),
+        StoredTensor("norm_k's output, the shared head's input", dtype * h * u, ALL_MODES),
+        StoredTensor("its logits", dtype * model.padded_vocab_size(tensor_parallel_size) / tensor_parallel_size,
+                     ALL_MODES),
+    ]
+
+
 def micro_batches_held(stage: int, pipeline_parallel_size: int, micro_batches: int) -> int:
     """Micro-batches whose activations a 1F1B stage holds at once: min(p - stage, m)."""
     return min(pipeline_parallel_size - stage, micro_batches)
@@ -384,10 +415,16 @@ def recomputing_blocks(model: ModelConfig, count: StageCount, recompute: str,
     """Blocks of this stage that recompute (ModelConfig.recomputes_block: the first recompute_num_layers of each of
     the PP 1F1B stages, or all of them; 0 with "none"). Without ``pipeline_parallel_size`` the stage is one of
     them."""
+    return len(recomputing_block_numbers(model, count, recompute, pipeline_parallel_size))
+
+
+def recomputing_block_numbers(model: ModelConfig, count: StageCount, recompute: str,
+                              pipeline_parallel_size: int | None = None) -> list[int]:
+    """The numbers of recomputing_blocks' blocks, model.mtp's L + k included (built with block L + k's mode)."""
     if recompute == "none":
-        return 0
-    groups = pipeline_parallel_size or (model.num_layers // len(count.blocks) if count.blocks else 1)
-    return sum(model.recomputes_block(n, groups) for n in count.blocks)
+        return []
+    groups = recompute_groups(model, count, pipeline_parallel_size)
+    return [n for n in count.blocks if model.recomputes_block(n, groups)]
 
 
 @dataclass(frozen=True)
@@ -421,12 +458,12 @@ def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, t
                                       context_parallel_size=context_parallel_size)
 
     if model.moe is None:
-        blocks = transformer_layers(count)
+        blocks = len(count.blocks)  # model.mtp's blocks (last stage) keep what a trunk block keeps
         recomputing = recomputing_blocks(model, count, recompute, pipeline_parallel_size)
         stored = recomputing * layer(recompute) + (blocks - recomputing) * layer("none")
         recomputed = layer("none") - (0.0 if recompute == "full" else layer(recompute)) if recomputing else 0.0
     else:
-        groups = pipeline_parallel_size or (model.num_layers // len(count.blocks) if count.blocks else 1)
+        groups = recompute_groups(model, count, pipeline_parallel_size)
         recomputes = {n: recompute != "none" and model.recomputes_block(n, groups) for n in count.blocks}
         stored = sum(layer(recompute if recomputes[n] else "none", model.moe.is_sparse(n)) for n in count.blocks)
         recomputed = max((layer("none", model.moe.is_sparse(n))
@@ -438,8 +475,10 @@ def stage_activations(model: ModelConfig, count: StageCount, micro_batch: int, t
     if holds_head(count):  # the final norm's output (the head's input) and stats, the logits and their gradient
         norm = s * b * sum(row.bytes_per_token for row in _norm_rows(model, h * u, "final norm"))
         logits = dtype * s * b * model.padded_vocab_size(t) / t
-        head_held = dtype * s * b * h * u + norm + logits
-        head = head_held + logits
+        depths = mtp_blocks(model, count)  # model.mtp: each depth's rows beside its block, and its logits
+        mtp = depths * s * b * sum(row.bytes_per_token for row in mtp_stored_tensors(model, t, u))
+        head_held = dtype * s * b * h * u + norm + logits + mtp
+        head = head_held + (1 + depths) * logits  # the gradients of the trunk's and each depth's logits
     return StageActivations(per_micro_batch=int(stored + stage_input + first_stage_mask),
                             working_set=int(recomputed + head), head_held=int(head_held))
 

@@ -192,10 +192,12 @@ def uneven_stages_warning(config: RunConfig, parameters: ParameterCounts) -> str
     if model.num_layers % pp == 0:
         return None
     blocks = [len(c.blocks) for c in parameters.stages]
+    mtp = "" if model.mtp is None else f" and model.mtp's {model.mtp.depth} depth{'s' if model.mtp.depth > 1 else ''}" \
+        f", counted as blocks"
     sizes = ", ".join(f"{blocks.count(n)} of {n}" for n in sorted(set(blocks), reverse=True))
     return (f"model.num_layers ({model.num_layers}) does not divide over PP {pp}: planned as DeepSpeed's "
             f"partition_balanced splits it, stages of unequal blocks ({sizes}; the first stage also holds the "
-            f"embedding, the last the head), the slowest pacing the pipeline. The trainer refuses this split "
+            f"embedding, the last the head{mtp}), the slowest pacing the pipeline. The trainer refuses this split "
             f"(model/config/parallel.py): a plan to compare, not a run to launch")
 
 

@@ -43,7 +43,7 @@ PUBLISHED_RUNS: dict[str, PublishedRun] = {
         preset="deepseek-v3", source="DeepSeek-V3 technical report, table 1 (pre-training)", gpus="2,048 H800",
         gpu_hours_per_trillion_tokens=180e3, tokens=14.8e12, gpu_hours=2.664e6,
         differences="FP8 GEMMs, DualPipe overlapping the all-to-alls with compute, node-limited dispatch (each token "
-                    "to at most 4 nodes, sent once per node), multi-token prediction"),
+                    "to at most 4 nodes, sent once per node)"),
 }
 
 

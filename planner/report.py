@@ -42,7 +42,7 @@ import textwrap
 from typing import Any
 
 from model.config import ModelConfig, set_option
-from model.summary import StageCount, analytic_active_parameters, analytic_total_parameters
+from model.summary import StageCount, analytic_active_parameters, analytic_total_parameters, mtp_parameters
 from planner.checkpointing import CheckpointCost, Storage
 from planner.hardware import GIB, Assumptions, Hardware, deepspeed_layout
 from planner.memory import ParameterCounts, StageMemory
@@ -220,7 +220,19 @@ def format_experts_header(config: RunConfig) -> list[str]:
         f"parameters: {total:,} total ({_count(total)}, every expert once, the vocabulary padded for TP {tp}), "
         f"{active:,} active per token ({_count(active)}, {active / total:.1%}); FLOPs, TFLOP/s and MFU count the "
         f"active parameters (model/flops.py, as Megatron-LM does)",
+        *_mtp_header(model),
     ]
+
+
+def _mtp_header(model: ModelConfig) -> list[str]:
+    """model.mtp's module, beside the counts above that leave it out (as transformers' do)."""
+    if model.mtp is None:
+        return []
+    numbers = [model.num_layers + k for k in range(1, model.mtp.depth + 1)]
+    sparse = sum(model.moe is not None and model.moe.is_sparse(n) for n in numbers)
+    return [f"multi-token prediction (model.mtp, depth {model.mtp.depth}): {mtp_parameters(model):,} more parameters "
+            f"({_count(mtp_parameters(model))}) on the last stage, block{'s' if len(numbers) > 1 else ''} "
+            f"{', '.join(map(str, numbers))}{' sparse' if sparse else ''}; its memory, time and FLOPs counted"]
 
 
 def _count(number: float) -> str:

@@ -15,7 +15,9 @@ Time of one iteration at global batch B
                        6 h V [last stage]) / t, F_layer = model.flops.layer_forward_flops_per_token (24 h^2 +
                        4 s h for GPT: Narayanan et al. 2021 eq. 3 per layer), r_i the stage's recomputing blocks
                        and F_recompute = F_layer ("full": one more forward), 4 s h ("selective": the attention
-                       core's forward), 0 ("none"). Summed over stages, micro-batches and DP this is exactly
+                       core's forward), 0 ("none"); on the last stage with model.mtp also its D depths, 3 x
+                       sum_k (F_block(L + k) + 4 h^2 + 2 h V) and each recomputing depth block's own rerun
+                       (model/flops.py). Summed over stages, micro-batches and DP this is exactly
                        model.flops.flops_per_iteration (hardware FLOPs).
         tensor_parallel = 4 all-reduces of e s b h per block (2 forward, 2 backward), + 2 per fully recomputed
                        block (its forward's, rerun in the backward; selective reruns none), +1 for the vocab-
@@ -23,7 +25,8 @@ Time of one iteration at global batch B
                        over t ranks. With SP each all-reduce becomes an all-gather and a reduce-scatter (the same
                        ring volume), and each column-parallel layer, which keeps its input's sequence shard, all-
                        gathers it again in the backward for its weight gradient: + half an all-reduce's volume for
-                       each of the 2 per block and for the head.
+                       each of the 2 per block and for the head. model.mtp's blocks count as blocks, and each depth
+                       adds 2 (its embedding lookup, its logits' input gradient) and, with SP, half of one.
         pipeline_p2p = 4 blocking transfers of e s b h / t (receive/send activation, receive/send gradient; 2 on the
                        first and last stage) and, with pipe_partitioned and no SP, an all-gather over TP to rebuild
                        each received tensor; with SP the shard is the tensor, nothing to rebuild.
@@ -60,9 +63,11 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.flops import (
+    block_recompute_flops_per_token,
     flops_per_iteration,
     layer_forward_flops_per_token,
     model_flops_per_iteration,
+    mtp_forward_flops_per_token,
     recompute_flops_per_token,
     tflops_per_gpu,
 )
@@ -74,7 +79,14 @@ from planner.experts import (
     expert_parameters_of,
 )
 from planner.hardware import DTYPE_BYTES, Assumptions, DeepSpeedLayout, Hardware
-from planner.memory import hidden_tensor_bytes, holds_head, recomputing_blocks, transformer_layers
+from planner.memory import (
+    hidden_tensor_bytes,
+    holds_head,
+    mtp_blocks,
+    recomputing_block_numbers,
+    recomputing_blocks,
+    transformer_layers,
+)
 from planner.pipeline_schedule import pipeline_bubble
 from runconfig.run import RunConfig
 
@@ -133,10 +145,13 @@ def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_bat
     """Hardware FLOPs of one micro-batch's forward and backward on one GPU of the stage, the forwards that
     ``recompute`` (default: the config's mode) reruns included (module docstring)."""
     recompute = model.recompute if recompute is None else recompute
-    s, h, t = model.seq_length, model.hidden_size, tensor_parallel_size
+    s, h, t, trunk = model.seq_length, model.hidden_size, tensor_parallel_size, model.num_layers
     layers = 3.0 * layer_forward_flops_per_token(model) * transformer_layers(count)
-    layers += recompute_flops_per_token(model, recompute) * recomputing_blocks(model, count, recompute,
-                                                                                pipeline_parallel_size)
+    rerun = recomputing_block_numbers(model, count, recompute, pipeline_parallel_size)
+    layers += recompute_flops_per_token(model, recompute) * sum(n <= trunk for n in rerun)
+    if mtp_blocks(model, count):  # model.mtp's depths (last stage): blocks, eh_proj and logits; each block's rerun
+        layers += 3.0 * mtp_forward_flops_per_token(model, t)
+        layers += sum(block_recompute_flops_per_token(model, n, recompute) for n in rerun if n > trunk)
     logits = 6.0 * h * model.padded_vocab_size(t) if holds_head(count) else 0.0
     return micro_batch * s * (layers + logits) / t
 
@@ -174,12 +189,14 @@ def tensor_parallel_all_reduces(model: ModelConfig, count: StageCount, sequence_
                                 pipeline_parallel_size: int | None = None) -> float:
     """All-reduces of one (b, s, h) tensor over TP per micro-batch on this stage; with sequence parallelism the same
     ring volume in all-gathers and reduce-scatters, one of each per all-reduce (module docstring)."""
-    blocks = transformer_layers(count)
+    blocks, depths = transformer_layers(count) + mtp_blocks(model, count), mtp_blocks(model, count)
     rerun = recomputing_blocks(model, count, "full", pipeline_parallel_size) if model.recompute == "full" else 0
     # each column-parallel layer keeps its input's sequence shard: its backward all-gathers it again (half an
-    # all-reduce's volume; 2 per block, 1 for the head)
-    regather = (blocks + 0.5 * holds_head(count)) if sequence_parallel else 0.0
-    return 4.0 * blocks + 2.0 * rerun + regather + (count.stage == 0) + holds_head(count)
+    # all-reduce's volume; 2 per block, 1 for the head, 1 for each model.mtp depth's pass through it)
+    heads = holds_head(count) + depths
+    regather = (blocks + 0.5 * heads) if sequence_parallel else 0.0
+    # model.mtp: each depth's embedding lookup (vocab-parallel: one all-reduce) and its head's input gradient
+    return 4.0 * blocks + 2.0 * rerun + regather + (count.stage == 0) + depths + heads
 
 
 def context_all_to_all_bytes(model: ModelConfig, micro_batch: int, tensor_parallel_size: int,
@@ -300,7 +317,9 @@ def sequence_parallel_parameters(model: ModelConfig, count: StageCount) -> int:
     norm = 2 * model.hidden_size if model.norm == "layernorm" else model.hidden_size
     biases = 2 * model.hidden_size if model.other_linears_have_bias else 0
     positions = model.max_position_embeddings * model.hidden_size if "PositionEmbedding" in count.layers else 0
-    return transformer_layers(count) * (2 * norm + biases) + positions + norm * holds_head(count)
+    depths = mtp_blocks(model, count)  # model.mtp: each depth's block, its 3 norms and eh_proj (2 h^2), replicated
+    mtp = depths * (2 * norm + biases + 3 * norm + 2 * model.hidden_size ** 2)
+    return transformer_layers(count) * (2 * norm + biases) + positions + norm * holds_head(count) + mtp
 
 
 def partial_gradient_parameters(model: ModelConfig, count: StageCount, sequence_parallel: bool) -> int:
@@ -309,7 +328,7 @@ def partial_gradient_parameters(model: ModelConfig, count: StageCount, sequence_
     shared-expert gate (h) with or without SP (model/moe.py: every TP rank combines only its partial outputs)."""
     head_norms = 0
     if model.qk_layernorm:
-        head_norms = transformer_layers(count) * 2 * (2 if model.norm == "layernorm" else 1) * model.head_dim
+        head_norms = len(count.blocks) * 2 * (2 if model.norm == "layernorm" else 1) * model.head_dim
     if model.moe is not None:
         gate = model.hidden_size if model.moe.shared_expert_ffn_hidden_size and model.moe.shared_expert_gate else 0
         head_norms += sum(model.moe.is_sparse(n) for n in count.blocks) * (model.moe.num_experts * model.hidden_size
@@ -337,8 +356,9 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
                   + ring_all_gather_seconds(expert_gradients, edp, rates.data_parallel_bytes_per_s))
         full_buffer_passes = layout.grad_bytes * n  # zero the .grad
     adam = (28 + layout.weight_bytes) * dense / d + (28 + layout.weight_bytes) * experts / edp
-    # the tied embedding's two ends live on the first and the last stage; under DualPipeV both on rank 0
-    tied_ranks = 2 if pp > 1 and model.tie_word_embeddings and not first.phases else 1
+    # the tied embedding's two ends live on the first and the last stage (model.mtp's depths embed tokens there
+    # too, tied or not); under DualPipeV both on rank 0
+    tied_ranks = 2 if pp > 1 and (model.tie_word_embeddings or model.mtp) and not first.phases else 1
     return AfterPipeline(
         tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, tied_ranks, rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,

@@ -333,7 +333,8 @@ def test_deepseek_v3_preset_is_transformers_defaults():
 
 
 @pytest.mark.parametrize("name, total, active", [
-    ("deepseek-v3", 671_026_404_352, 37_552_282_624),  # the issue's: both embeddings, no MTP module
+    ("deepseek-v3", 671_026_404_352, 37_552_282_624),  # the issue's: both embeddings, no MTP module (the preset's
+                                                        # model.mtp, which transformers ignores: model/summary.py)
     ("kimi-k2", 1_026_408_209_408, 32_861_477_888),  # "1T total, 32B activated" (its model card)
     ("moonlight-16b-a3b", 15_960_108_544, 2_914_774_528),  # q_proj (no query latent), 2 shared experts
     ("deepseek-tiny", None, None),
@@ -358,6 +359,11 @@ def test_summary_prints_the_deepseek_v3_counts(capsys):
     assert "total with the tokenizer's vocabulary (129,280; what transformers reports): 671,026,404,352\n" in out
     assert ("active per token with the tokenizer's vocabulary (top 8 of 256 routed experts, the router and the shared "
             "expert, every dense parameter, both embeddings): 37,552,282,624\n") in out
+    # the preset's model.mtp (depth 1) beside them: transformers' counts above leave it out
+    assert ("multi-token prediction (model.mtp, depth 1; not in the counts above, as transformers ignores it): "
+            "11,610,067,968 parameters (eh_proj 2 h^2, 3 norms and block 62)\n") in out
+    assert "layer 61): 684,489,830,400 = 671,026,404,352 + 13,463,426,048\n" in out
+    assert "684,531,386,000 (684.53B; DeepSeek-V3's published 685B = 671B + 14B of MTP)" in out
 
 
 def test_deepseek_v3_active_count_by_hand():
