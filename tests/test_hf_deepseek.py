@@ -6,8 +6,8 @@ fp8 weights, its multi-token prediction layer and what has no equivalent here. S
     check                                  what is asserted
     q_proj (q_lora_rank null), attention   HF -> TP 2 x PP 2 -> HF: every tensor bit for bit under the same names,
       bias, tied head, rotate_half, every    model.from_hf's fields, and transformers' logits of the export equal
-      block sparse; and a dense MLA model    (torch.equal) to those of the original
-      (first_k_dense_replace = layers)
+      block sparse; and a dense MLA model    (torch.equal) to those of the original; greedy decoding from the
+      (first_k_dense_replace = layers)       checkpoint (MLA's latent cache) equals transformers' generate()
     fp8, weight_block_size [16, 24]        each fp8 weight imported in a bf16 run equals fp8.float() x its block's
       (partial blocks in both dimensions,    scale, cast to bf16, bitwise, in the layer files and in the export; the
       a [40, 64] weight has both at once)    others equal the original cast; e_score_correction_bias stays fp32 in
@@ -35,7 +35,18 @@ from hf.importer import dequantize_fp8_blocks, import_from_hf
 from model.checkpoint_files import layer_file
 from model.config import ModelConfig, ParallelConfig
 from runconfig.run import parse_run_config
-from tests.test_hf_moe import LATENT, VOCAB, hf_config, hf_model, load_all, random_hf_model, run_config
+from tests.distributed import run_distributed
+from tests.test_hf_moe import (
+    GENERATION_PROMPTS,
+    LATENT,
+    NEW_TOKENS,
+    VOCAB,
+    hf_config,
+    hf_model,
+    load_all,
+    random_hf_model,
+    run_config,
+)
 
 DEEPSEEK = "DeepseekV3ForCausalLM"
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -45,18 +56,20 @@ BLOCK = (16, 24)
 
 # -- other shapes: HF -> TP 2 x PP 2 -> HF ---------------------------------------------------------------------------
 
-VARIANTS = {
+VARIANTS = {  # (HF config overrides, the model fields read, whether greedy decoding is compared)
     "q_proj, bias, tied, rotate_half, every block sparse": (
         dict(q_lora_rank=None, attention_bias=True, first_k_dense_replace=0, tie_word_embeddings=True,
              rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-        dict(q_lora_rank=None, bias="all", tie_word_embeddings=True, rope_interleave=False, rope_scaling=None)),
-    "dense (first_k_dense_replace = layers)": (
-        dict(first_k_dense_replace=4), dict(q_lora_rank=32, moe=None, rope_interleave=True)),
+        dict(q_lora_rank=None, bias="all", tie_word_embeddings=True, rope_interleave=False, rope_scaling=None),
+        False),  # a random tied model repeats its last token: its greedy tokens would test nothing
+    "q_proj, YaRN, dense (first_k_dense_replace = layers)": (
+        dict(first_k_dense_replace=4, q_lora_rank=None), dict(q_lora_rank=None, moe=None, rope_interleave=True),
+        True),
 }
 
 
-@pytest.mark.parametrize("overrides, expected", VARIANTS.values(), ids=VARIANTS.keys())
-def test_variants_round_trip_bit_for_bit(overrides, expected, tmp_path):
+@pytest.mark.parametrize("overrides, expected, generates", VARIANTS.values(), ids=VARIANTS.keys())
+def test_variants_round_trip_bit_for_bit(overrides, expected, generates, tmp_path):
     hf_dir = random_hf_model(DEEPSEEK, tmp_path / "hf", **overrides)
     config = run_config(hf_dir)
     model = parse_run_config(config).model
@@ -71,6 +84,25 @@ def test_variants_round_trip_bit_for_bit(overrides, expected, tmp_path):
     prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf_model(out)(prompt).logits, hf_model(hf_dir)(prompt).logits)
+    if not generates:
+        return
+    # greedy decoding from the checkpoint (one process; MLA's latent cache) is transformers' generate()
+    generated = run_distributed(1, _generate, str(tmp_path / "checkpoint"))[0]
+    model, expected = hf_model(hf_dir), []
+    for prompt in GENERATION_PROMPTS:
+        with torch.no_grad():
+            expected.append(model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                           pad_token_id=0)[0, len(prompt):].tolist())
+    assert len({token for tokens in expected for token in tokens}) > 3  # not one token repeated
+    assert generated == expected
+
+
+def _generate(checkpoint: str) -> list[list[int]]:
+    from evaluation.generation import Generator
+    from evaluation.loading import load_pipeline
+
+    pipeline, _ = load_pipeline(checkpoint, parallel=ParallelConfig(1, 1))
+    return Generator(pipeline, None).generate_all(GENERATION_PROMPTS, NEW_TOKENS)
 
 
 # -- fp8 block-scaled weights ----------------------------------------------------------------------------------------

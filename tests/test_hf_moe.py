@@ -238,13 +238,17 @@ def test_hf_to_ours_to_hf_is_bit_identical(imported, name, tmp_path):
 # -- through the training engine at TP 2 x PP 2 x DP 2 with EP 2, then logits at TP 2 x PP 2 ----------------------
 
 EP = 2
+GENERATION_PROMPTS = [[464, 2068, 7586, 21831], [40, 373, 257, 1310, 290, 11, 198]]  # GPT-2 ids of two prompts
+NEW_TOKENS = 12
 
 
 def _through_expert_parallelism(cases: list[tuple[str, str, dict]], tokens: torch.Tensor) -> list:
     """Each import (its layer files hold all the experts) loaded into the training engine at TP 2 x PP 2 x DP 2 with
     EP 2, each rank keeping its E / 2 (training/checkpoint.py load_weights), saved there (each EP rank's experts in
     files of their own), and that checkpoint read by the evaluation code at TP 2 x PP 2: this rank's vocabulary
-    slice of the logits where it is a last stage of the first replica, else None."""
+    slice of the logits where it is a last stage of the first replica, else None. DeepseekV3 also generates greedily
+    (its multi-head latent attention with its latent cache): (logits, tokens)."""
+    from evaluation.generation import Generator
     from evaluation.loading import load_pipeline
     from training.checkpoint import load_weights, save_checkpoint
     from training.engine import build_engine
@@ -260,6 +264,8 @@ def _through_expert_parallelism(cases: list[tuple[str, str, dict]], tokens: torc
             logits = pipeline.logits(tokens, torch.arange(SEQ).expand(BATCH, -1))
         first_replica = pipeline.stage.ctx.data_parallel_rank == 0
         results.append(logits.clone() if logits is not None and first_replica else None)
+        if run.model.attention_type == "mla":
+            results[-1] = (results[-1], Generator(pipeline, None).generate_all(GENERATION_PROMPTS, NEW_TOKENS))
     return results
 
 
@@ -270,9 +276,16 @@ def expert_parallel(imported, tmp_path_factory) -> dict[str, dict]:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     cases = [(str(case["checkpoint"]), str(root / name), case["config"]) for name, case in imported.items()]
     ranks = run_distributed(TP * PP * EP, _through_expert_parallelism, cases, tokens)
-    return {name: {"checkpoint": root / name, "tokens": tokens,
-                   "logits": torch.cat([r[index] for r in ranks if r[index] is not None], dim=-1)}
-            for index, name in enumerate(imported)}
+    out = {}
+    for index, name in enumerate(imported):
+        results = [rank[index] for rank in ranks]
+        generated = None
+        if isinstance(results[0], tuple):  # (logits, the greedy tokens every rank returns)
+            generated = [tokens for _, tokens in results]
+            results = [logits for logits, _ in results]
+        out[name] = {"checkpoint": root / name, "tokens": tokens, "generated": generated,
+                     "logits": torch.cat([r for r in results if r is not None], dim=-1)}
+    return out
 
 
 @pytest.mark.distributed
@@ -290,6 +303,29 @@ def test_written_at_expert_parallel_size_2_exports_bit_identical(imported, exper
     assert back.keys() == original.keys()
     for tensor_name, tensor in original.items():
         assert torch.equal(back[tensor_name], tensor), tensor_name
+
+
+@pytest.mark.distributed
+def test_deepseek_v3_generates_as_transformers_generate(imported, expert_parallel):
+    """Greedy decoding at TP 2 x PP 2 (MLA's latent cache, the experts at EP 2 written) equals transformers'
+    generate() on the HF model, token for token, on every rank; and the latent cache's size beside a plain one's."""
+    from model.attention import KVCache
+    from model.mla import LatentKVCache
+
+    model = hf_model(imported["DeepseekV3ForCausalLM"]["hf"])
+    expected = []
+    for prompt in GENERATION_PROMPTS:
+        with torch.no_grad():
+            tokens = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    pad_token_id=0)
+        expected.append(tokens[0, len(prompt):].tolist())
+    assert len({token for tokens in expected for token in tokens}) > 3  # not one token repeated
+    assert all(generated == expected for generated in expert_parallel["DeepseekV3ForCausalLM"]["generated"])
+    config = imported["DeepseekV3ForCausalLM"]["model"]
+    latent = LatentKVCache(config.kv_lora_rank, config.qk_rope_head_dim).bytes_per_token(torch.float32)
+    plain = KVCache(config.num_attention_heads, config.head_dim, config.v_head_dim).bytes_per_token(torch.float32)
+    print(f"\nKV cache per token and layer, fp32: latent {latent} bytes, plain keys and values {plain} bytes")
+    assert (latent, plain) == (4 * (32 + 8), 4 * 4 * (24 + 16))
 
 
 @pytest.mark.distributed
