@@ -506,7 +506,7 @@ def _mtp_tensors(config: ModelConfig, architecture: Architecture | None) -> tupl
     for depth in range(config.mtp.depth):
         block = config.num_layers + depth  # 0-based, as the blocks': HF's layer index and is_sparse(block + 1)
         for kind, prefix in (("mtp", f"depths.{depth}."), ("block", f"depths.{depth}.block.")):
-            tensors += [t._replace(ours=prefix + t.ours) for t in _layer_tensors(config, named, kind, block)]
+            tensors += [TensorMap(prefix + t.ours, *t[1:]) for t in _layer_tensors(config, named, kind, block)]
     return tuple(tensors)
 
 
