@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runconfig.dpo import DPOConfig
 from runconfig.fields import build_block
 from runconfig.monitors import ProfileConfig, SpikeGuardConfig, WandbConfig, snapshot_config
 
@@ -228,6 +229,10 @@ class TrainingConfig:
     (training/compile.py says what runs compiled and what stays eager). Equal to the eager run within fp32 rounding,
     dropout included; the compilation, during the first step, is logged once after the second. Off by default until
     scripts/gpu_smoke.sh has measured it on a GPU."""
+    dpo: dict[str, Any] | None = None
+    """Direct preference optimisation instead of the next-token loss (runconfig/dpo.py, training/dpo.py):
+    {"beta", "loss_type": "sigmoid" | "ipo", "rpo_alpha", "label_smoothing"}, on batches of (chosen, rejected)
+    pairs with their reference log-probs. None: off."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval",):
@@ -270,6 +275,7 @@ class TrainingConfig:
         self.profile_config()
         self.wandb_config()
         snapshot_config(self)  # training.plan_hardware names planner presets: checked where training starts
+        self._check_dpo()
         guard = self.spike_guard_config()
         if guard.rollback and not self.save:
             raise ValueError("training.spike_guard.rollback needs a checkpoint to roll back to: set training.save")
@@ -281,6 +287,18 @@ class TrainingConfig:
     def wandb_config(self) -> WandbConfig | None:
         """training.wandb as a WandbConfig (None: off). wandb itself is imported only when the run starts."""
         return None if self.wandb is None else build_block(WandbConfig, "training.wandb", self.wandb)
+
+    def dpo_config(self) -> DPOConfig | None:
+        """training.dpo as a DPOConfig (None: the next-token loss)."""
+        return None if self.dpo is None else build_block(DPOConfig, "training.dpo", self.dpo)
+
+    def _check_dpo(self) -> None:
+        if self.dpo_config() is None:
+            return
+        for name, why in (("z_loss", "a term of the next-token loss"),
+                          ("stability_interval", "its log Z record reads the next-token loss")):
+            if getattr(self, name):
+                raise ValueError(f"training.{name} is {why}, which training.dpo replaces: set training.{name} to 0")
 
     def spike_guard_config(self) -> SpikeGuardConfig:
         SpikeGuardConfig.refuse_retired_keys(self.spike_guard)

@@ -227,6 +227,7 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>", *, check_layou
     config.batch_schedule()
     config.noise_scale_schedule(data_parallel_size=1)  # bounds, factor, interval; the DP multiple in check_world
     _check_precision(config)
+    _check_dpo(config)
     return config
 
 
@@ -280,6 +281,26 @@ def _check_precision(config: RunConfig) -> None:
     if deepspeed_precision != config.model.precision:
         raise ValueError(f"{config.source}: model.precision is {config.model.precision!r} but the DeepSpeed sections "
                          f"enable {deepspeed_precision}: make them agree")
+
+
+def _check_dpo(config: RunConfig) -> None:
+    """training.dpo: what the preference loss needs of the other blocks, or what it does not run with yet."""
+    if config.training.dpo is None:
+        return
+    refusals = []
+    if config.deepspeed["train_micro_batch_size_per_gpu"] % 2:
+        refusals.append(f"train_micro_batch_size_per_gpu ({config.deepspeed['train_micro_batch_size_per_gpu']}) "
+                        f"must be even: a micro-batch holds whole (chosen, rejected) pairs, rows 2i and 2i + 1")
+    if config.model.mtp is not None:
+        refusals.append("model.mtp: the multi-token prediction loss is not combined with DPO yet; remove model.mtp")
+    if config.parallelism.context_parallel_size > 1:
+        refusals.append("parallelism.context_parallel_size > 1: a sequence's log-prob would be split over the CP "
+                        "ranks, which DPO does not sum yet; use 1")
+    if config.parallelism.pipeline_schedule != "1f1b":
+        refusals.append(f"parallelism.pipeline_schedule {config.parallelism.pipeline_schedule!r}: DPO is checked "
+                        f"under \"1f1b\" only so far")
+    if refusals:
+        raise ValueError(f"{config.source}: training.dpo: " + "; ".join(refusals))
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None, *, check_layout: bool = True) -> RunConfig:

@@ -16,7 +16,9 @@ from model.moe import keep_router_biases_fp32, set_gradient_scale, sparse_layers
 from model.parallel import ParallelContext, build_parallel_context, init_distributed
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
+from runconfig.dpo import DPOConfig
 from training.compile import compile_blocks
+from training.dpo import DPOLoss
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -55,14 +57,17 @@ def _unpartitioned_pipe_transfers(deepspeed_config: dict[str, Any], why: str = S
 
 
 def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, deepspeed_config: dict[str, Any],
-                 seed: int, z_loss: float = 0.0, compiled: bool = False) -> tuple[Any, ParallelContext]:
+                 seed: int, z_loss: float = 0.0, compiled: bool = False,
+                 dpo: DPOConfig | None = None) -> tuple[Any, ParallelContext]:
     """torch.distributed, the TP/DP groups, this rank's pipeline stage, and the DeepSpeed engine around it.
 
     ``deepspeed_config`` holds DeepSpeed's own keys only. torch's default random stream is seeded per pipeline stage,
     the same on every TP rank of a stage, so that dropout masks of replicated activations agree across TP ranks; the
     model's tensor-parallel stream is seeded per TP rank and stage (model/random.py says which serves which dropout).
     ``z_loss``: the z-loss coefficient of the objective (model/loss.py). ``compiled``: training.compile, the stage's
-    blocks compiled (training/compile.py); the module's ``compiled_blocks`` says how many.
+    blocks compiled (training/compile.py); the module's ``compiled_blocks`` says how many. ``dpo``: training.dpo, the
+    preference loss (training/dpo.py) as the pipeline's loss function and ``module.objective`` instead of the
+    next-token one.
     """
     import deepspeed
 
@@ -92,6 +97,10 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     ds_internals.skip_muon_kernels(str(deepspeed_config.get("optimizer", {}).get("type", "")))
     param_groups = weight_decay_groups(module, weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups, config=deepspeed_config)
+    if dpo is not None:
+        objective = DPOLoss(context, dpo)
+        ds_internals.wrap_loss(engine, lambda next_token_loss: objective)
+        engine.module.objective = objective
     if context.expert_parallel_size > 1:
         _pad_stages_without_experts(engine, context, param_groups)
     if schedule == "dualpipev":

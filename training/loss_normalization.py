@@ -31,10 +31,11 @@ def take_micro_batches(loader: Iterator, count: int) -> list[Any]:
 
 
 def set_step_tokens(objective: Any, micro_batches: list[Any], data_parallel_group: Any,
-                    data_parallel_size: int) -> torch.Tensor:
+                    data_parallel_size: int, rows: slice = slice(None)) -> torch.Tensor:
     """Collective over the data-parallel group: ``objective.step_tokens`` = N / (m d) for these micro-batches (module
-    docstring); returns N. A step without any target token divides by 1 (its loss is 0)."""
-    masks = [loss_mask for _, (_, loss_mask) in micro_batches]
+    docstring); returns N. A step without any target token divides by 1 (its loss is 0). ``rows``: the rows of each
+    micro-batch counted (training.dpo's SFT term counts the chosen rows, training/dpo.py)."""
+    masks = [labels[1][rows] for _, labels in micro_batches]
     count = torch.stack([mask.float().sum() for mask in masks]).sum()  # on the masks' device
     if data_parallel_size > 1:
         dist.all_reduce(count, group=data_parallel_group)

@@ -36,6 +36,7 @@ from runconfig.schedules import future_batches, pipeline_slots
 from training import checkpoint
 from training.compile import CompileClock
 from training.data import describe_layout
+from training.dpo import CHOSEN_ROWS
 from training.engine import pipeline_schedule_of, set_global_batch
 from training.faults import FaultPlan, FaultyLoader
 from training.guards import SpikeGuard, attach_spike_guard
@@ -224,9 +225,11 @@ class Trainer:
         if self.config.model.mtp is not None:  # lambda from its schedule; the record holds this step only
             objective.mtp_weight = self.config.model.mtp.weight_at(self.state.consumed_tokens)
             objective.take_mtp()
-        if self.config.training.loss_normalization == "tokens":  # the step's target count first (collective over DP)
+        dpo = self.config.training.dpo is not None  # its SFT term divides by the step's chosen targets
+        if self.config.training.loss_normalization == "tokens" or dpo:  # the step's target count first (collective)
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
-            set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size)
+            set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size,
+                            CHOSEN_ROWS if dpo else slice(None))
             data = iter(data)
         self.compile_clock.start()
         try:
@@ -372,6 +375,8 @@ class Trainer:
         record.update(stability)
         record.update(self.moe.take())  # collective when the model has experts: every rank, every logged step
         record.update(self._multi_token_prediction(loss))  # collective with model.mtp
+        if self.config.training.dpo is not None:  # TRL's rewards/* and logps/* (collective over the world)
+            record.update(self.engine.module.objective.take_metrics(accelerator_device()))
         if self.plan_check is not None:  # the plan at the window's own batches, and measured / planned
             record.update(self.plan_check.compare(throughput["batches"], throughput["seconds"], record))
         self.logger.log("train", record)
