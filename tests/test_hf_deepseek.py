@@ -7,7 +7,8 @@ fp8 weights, its multi-token prediction layer and what has no equivalent here. S
     q_proj (q_lora_rank null), attention   HF -> TP 2 x PP 2 -> HF: every tensor bit for bit under the same names,
       bias, tied head, rotate_half, every    model.from_hf's fields, and transformers' logits of the export equal
       block sparse; and a dense MLA model    (torch.equal) to those of the original; greedy decoding from the
-      (first_k_dense_replace = layers)       checkpoint (MLA's latent cache) equals transformers' generate()
+      (first_k_dense_replace = layers)       checkpoint (MLA's latent cache) equals transformers' generate(), its
+                                             logits within 1e-4 of transformers' (q_proj)
     fp8, weight_block_size [16, 24]        each fp8 weight imported in a bf16 run equals fp8.float() x its block's
       (partial blocks in both dimensions,    scale, cast to bf16, bitwise, in the layer files and in the export; the
       a [40, 64] weight has both at once)    others equal the original cast; e_score_correction_bias stays fp32 in
@@ -87,8 +88,11 @@ def test_variants_round_trip_bit_for_bit(overrides, expected, generates, tmp_pat
     if not generates:
         return
     # greedy decoding from the checkpoint (one process; MLA's latent cache) is transformers' generate()
-    generated = run_distributed(1, _generate, str(tmp_path / "checkpoint"))[0]
+    generated, logits = run_distributed(1, _generate, str(tmp_path / "checkpoint"))[0]
     model, expected = hf_model(hf_dir), []
+    with torch.no_grad():  # and the logits of the checkpoint, as tests/test_hf_moe.py checks the q latent's
+        theirs = model(torch.tensor([GENERATION_PROMPTS[1]])).logits
+    torch.testing.assert_close(logits[..., :VOCAB], theirs, rtol=0, atol=1e-4)
     for prompt in GENERATION_PROMPTS:
         with torch.no_grad():
             expected.append(model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -97,12 +101,15 @@ def test_variants_round_trip_bit_for_bit(overrides, expected, generates, tmp_pat
     assert generated == expected
 
 
-def _generate(checkpoint: str) -> list[list[int]]:
+def _generate(checkpoint: str) -> tuple[list[list[int]], torch.Tensor]:
     from evaluation.generation import Generator
     from evaluation.loading import load_pipeline
 
     pipeline, _ = load_pipeline(checkpoint, parallel=ParallelConfig(1, 1))
-    return Generator(pipeline, None).generate_all(GENERATION_PROMPTS, NEW_TOKENS)
+    prompt = torch.tensor([GENERATION_PROMPTS[1]])
+    with torch.no_grad():
+        logits = pipeline.logits(prompt, torch.arange(prompt.shape[1]).view(1, -1))
+    return Generator(pipeline, None).generate_all(GENERATION_PROMPTS, NEW_TOKENS), logits
 
 
 # -- fp8 block-scaled weights ----------------------------------------------------------------------------------------

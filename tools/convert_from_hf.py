@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Import a Hugging Face model (safetensors) as a checkpoint of this project: GPT2LMHeadModel, LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, or the Mixture-of-Experts MixtralForCausalLM,
-Qwen2MoeForCausalLM and Qwen3MoeForCausalLM, detected from its config.json (``architectures``, else ``model_type``).
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, the Mixture-of-Experts MixtralForCausalLM,
+Qwen2MoeForCausalLM and Qwen3MoeForCausalLM, or DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2, Moonlight: multi-head
+latent attention, its fp8 block-scaled weights dequantised, its multi-token prediction layer read with model.mtp),
+detected from its config.json (``architectures``, else ``model_type``).
 
     python tools/convert_from_hf.py --model hf/gpt2 --ds_config ds_configs/125m.json --output ckpts/from_gpt2 \\
         --set model.activation=gelu_tanh --start-tokens 0

@@ -116,8 +116,8 @@ class ModelConfig:
     queries and keys/values projected through low-rank latents (the fields below, transformers' DeepseekV3Config
     names), RoPE on a qk_rope_head_dim part of each head, the key's one part shared by all heads. Under "mla"
     num_key_value_heads is the heads and head_dim qk_nope_head_dim + qk_rope_head_dim (both resolved so); it needs
-    position_embedding "rope" and refuses, until they are built, qk_layernorm, bias "qkv", context parallelism, a KV
-    cache (generation) and Hugging Face conversion."""
+    position_embedding "rope" and refuses, until they are built, qk_layernorm, bias "qkv" and context parallelism. Its
+    KV cache holds the latent (model/mla.py); it converts to and from Hugging Face as DeepseekV3ForCausalLM."""
     q_lora_rank: int | None = None
     """MLA: width of the query latent, h -> q_lora_rank (q_a_proj, replicated) -> RMSNorm -> heads x (qk_nope_head_dim
     + qk_rope_head_dim) (q_b_proj, column-parallel); null: one q_proj h -> heads x (qk_nope_head_dim +
