@@ -15,7 +15,7 @@ world for the three) must give:
 - the same log-likelihoods (to 1e-6 relative: fp32 sums over another batch shape) with a batch of 1 and with the
   requests in another order.
 
-Generation: greedy, 32 new tokens on 8 prompts of different lengths, at (2,2,1) and (1,2,2), equals transformers'
+Generation: greedy, 16 new tokens on 8 prompts of different lengths, at (2,2,1) and (1,2,2), equals transformers'
 generate() on the export token for token; without the KV cache it gives the same tokens; sampling with a seed repeats
 exactly. And the errors a user meets: an unknown task lists the available ones, a missing data file is named, a
 checkpoint without a tokenizer names the option; none prints a traceback.
@@ -56,7 +56,7 @@ MODELS = {
 PROMPTS = ["I", "Alice was", "The Queen said to the", "Down, down, down. Would the fall never come to an end?",
            "It was", "'Curiouser and curiouser!' cried", "She ate a little bit, and said anxiously to herself,",
            "The Mock Turtle"]
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 
 
 def run_config(fields: dict) -> dict:

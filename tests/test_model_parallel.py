@@ -155,8 +155,8 @@ def test_reference_learns_and_clips(reference):
 
 
 SEQUENCE_PARALLEL = {"sequence_parallel": True}
-# (2, 2, 2) with sequence parallelism and each recompute mode ("full" on the first block of each 2-block stage only):
-# recomputation and sequence parallelism must not change the numbers.
+# (2, 2, 2) with sequence parallelism and each recompute mode ("full" on the first block of each 2-block stage; on
+# every block in the MoE variant below): recomputation and sequence parallelism must not change the numbers.
 # The stability options: per-head q/k norms (their gradients summed over TP with and without SP) and the z-loss on
 # vocabulary shards, against a reference with the same options.
 STABILITY = {"qk_layernorm": True, "z_loss": 1e-2}
@@ -170,8 +170,7 @@ MOE = {"mlp": "swiglu", "moe": {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_si
 # expert and runs the expert norm's cross-stage collectives with zeros. It equals the unsplit model (EP 1).
 MOE_EP2 = {**MOE, "moe": {**MOE["moe"], "first_dense_layers": 2}, "expert_parallel_size": 2}
 LAYOUTS_3D = [{}, SEQUENCE_PARALLEL, {**SEQUENCE_PARALLEL, "recompute": "selective"},
-              {**SEQUENCE_PARALLEL, "recompute": "full"}, {**SEQUENCE_PARALLEL, "recompute": "full",
-                                                          "recompute_num_layers": 1},
+              {**SEQUENCE_PARALLEL, "recompute": "full", "recompute_num_layers": 1},  # every block: MoE's variant
               STABILITY, {**SEQUENCE_PARALLEL, **STABILITY, "recompute": "selective"},
               MOE, {**SEQUENCE_PARALLEL, **MOE, "recompute": "full"}, MOE_EP2]
 STABILITY_FIELDS = ("qk_layernorm", "z_loss", "mlp", "moe")
