@@ -91,8 +91,9 @@ class GPTLoss:
                                tokens: torch.Tensor) -> torch.Tensor:
         """CE_1 .. CE_D (D,): depth k's labels and mask rolled k to the left, its last k positions masked."""
         positions = targets.shape[1]
+        index = torch.arange(positions, device=mask.device)
         rolled = torch.cat([targets.roll(-k, dims=1) for k in range(1, self.mtp_depth + 1)])  # (D b, s)
-        kept = torch.cat([mask.roll(-k, dims=1) * (torch.arange(positions, device=mask.device) < positions - k)
+        kept = torch.cat([mask.roll(-k, dims=1) * (index < positions - k)
                           for k in range(1, self.mtp_depth + 1)])  # (D b, s)
         vocab_start = self.ctx.tensor_parallel_rank * depth_logits.shape[-1]
         losses = vocab_parallel_cross_entropy(depth_logits, rolled, self.ctx.tensor_parallel_group, vocab_start)

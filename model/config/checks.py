@@ -25,5 +25,12 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def require_block(values: Any, block: str, known: list[str], what: str) -> None:
+    """A config block given as a JSON object (``what``: its fields, for the message) with known keys only."""
+    require(isinstance(values, dict), f"{block} must be an object of {what} or null, got {values!r}")
+    unknown = sorted(set(values) - set(known))
+    require(not unknown, f"unknown key(s) {unknown} in block \"{block}\": known keys are {sorted(known)}")
+
+
 def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from model.config.checks import is_positive_int, require
+from model.config.checks import is_positive_int, require, require_block
 
 ROUTERS = ("softmax", "sigmoid_bias")  # model.moe.router
 
@@ -126,12 +126,9 @@ class MoEConfig:
         """model.moe from its JSON object (a run config, or the run config saved in a checkpoint), or as given."""
         if isinstance(values, MoEConfig):
             return values
-        require(isinstance(values, dict), f"model.moe must be an object of the experts' fields (num_experts, top_k, "
-                                          f"moe_ffn_hidden_size, ...) or null, got {values!r}")
         fields = dataclasses.fields(cls)
-        unknown = sorted(set(values) - {f.name for f in fields})
-        require(not unknown, f"unknown key(s) {unknown} in block \"model.moe\": known keys are "
-                             f"{sorted(f.name for f in fields)}")
+        require_block(values, "model.moe", [f.name for f in fields],
+                      "the experts' fields (num_experts, top_k, moe_ffn_hidden_size, ...)")
         missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in values]
         require(not missing, f"model.moe lacks {missing}: give num_experts, top_k and moe_ffn_hidden_size")
         return cls(**values)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config.checks import is_positive_int, require
+from model.config.checks import is_positive_int, require, require_block
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,8 @@ class MTPConfig:
         """model.mtp from its JSON object (a run config, or the run config saved in a checkpoint), or as given."""
         if isinstance(values, MTPConfig):
             return values
-        require(isinstance(values, dict), f"model.mtp must be an object (depth, loss_weight, loss_weight_changes) "
-                                          f"or null, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        require(not unknown, f"unknown key(s) {unknown} in block \"model.mtp\": known keys are {sorted(known)}")
+        require_block(values, "model.mtp", [f.name for f in dataclasses.fields(cls)],
+                      "its fields (depth, loss_weight, loss_weight_changes)")
         return cls(**values)
 
     def weight_at(self, tokens: float) -> float:
