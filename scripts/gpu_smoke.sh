@@ -45,6 +45,7 @@
 #                    wheels/ what the GPU machine's image lacks, for its Python 3.12 on x86-64 (WHEEL_PYTHON): DeepSpeed
 #                    and its requirements, lm-eval and those it imports here; one pinned version of each, for --site
 # Python: $PYTHON, default python3 (the GPU machine's, with its CUDA build of torch; not .venv, which is CPU-only).
+# GPU_SMOKE_TRAIN_TIMEOUT_S: one training run's limit in seconds (default 240).
 # The launcher listens on $MASTER_PORT, default 29500.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +57,7 @@ RUN=runs/gpu_smoke
 CONFIGS=(125m 1.3b)
 STEPS=30
 GLOBAL_BATCH=64
-TRAIN_TIMEOUT_S=240
+TRAIN_TIMEOUT_S=${GPU_SMOKE_TRAIN_TIMEOUT_S:-240}  # one training run's limit, start-up included
 DRY_RUN=0
 INSTALL=1
 ALLOW_CPU=0
@@ -144,9 +145,15 @@ run "$PY" tools/preprocess_data.py --input data/corpus/botchan.jsonl --output-pr
     --append-eod --workers 2
 
 # The same run for train.py and tools/plan.py: one GPU, TP 1 x PP 1, bf16, a fixed batch of GLOBAL_BATCH.
+# The schedule spans the smoke's own tokens (STEPS full batches at 2,048 positions): the configs' 300B tokens would
+# build a sample index of 146M samples over the small corpus first (minutes and gigabytes of host memory, the
+# OOM-kill of a CPU rehearsal at 128 positions), and every run here (stopped, resumed, straight) must share one index.
+SMOKE_TOKENS=$(( STEPS * GLOBAL_BATCH * 2048 ))
 RUN_SETS=(--set parallelism.tensor_parallel_size=1 --set parallelism.pipeline_parallel_size=1
           --set bf16.enabled=true --set model.precision=bf16
-          --set train_batch_size=$GLOBAL_BATCH --set schedule.batch={})
+          --set train_batch_size=$GLOBAL_BATCH --set schedule.batch={}
+          --set schedule.train_tokens=$SMOKE_TOKENS --set schedule.decay_tokens=$SMOKE_TOKENS
+          --set schedule.warmup_tokens=$(( SMOKE_TOKENS / 10 )))
 SAVE_EVERY=$(( STEPS >= 3 ? STEPS / 3 : 1 ))  # 10 of 30: saves at 10, 20, 30
 SNAPSHOT_STEP=$(( STEPS >= 3 ? 3 : STEPS ))
 SNAPSHOT_SET='training.memory_snapshot={"step": '$SNAPSHOT_STEP', "on_oom": false, "stacks": "python"}'
