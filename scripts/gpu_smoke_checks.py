@@ -177,12 +177,20 @@ FLEX_GROWTH_BOUND = 2.2
 """The peak of the forward and backward from 16k to 32k positions: linear in s (an s x s mask would be 4x)."""
 
 
+def flex_block_config(base, length: int):
+    """The config's model as one block at ``length`` positions on FlexAttention, bf16, no dropout. A model with
+    learned positions (125m: 2,048 of them) is let past its table: one block reads none of it."""
+    import dataclasses
+
+    return dataclasses.replace(base, num_layers=1, seq_length=length, attention_backend="flex", precision="bf16",
+                               attention_dropout=0.0, hidden_dropout=0.0,
+                               max_position_embeddings=max(base.max_position_embeddings, length))
+
+
 def flex_memory(config_path: str, sets: list[str]) -> tuple[str, str]:
     """One block of the config's model (bf16, micro-batch 1, no dropout: FlexAttention has none) on a sample of 8
     equal packed documents at each of FLEX_LENGTHS: the bytes its forward keeps for the backward and the peak of
     the forward and backward above the start (torch.cuda's allocator), against the planner's figure."""
-    import dataclasses
-
     import torch
 
     from model.gpt import TransformerLayer
@@ -196,8 +204,7 @@ def flex_memory(config_path: str, sets: list[str]) -> tuple[str, str]:
     base = load_run_config(config_path, sets).model
     device, found = torch.device("cuda"), {}
     for length in FLEX_LENGTHS:
-        model = dataclasses.replace(base, num_layers=1, seq_length=length, attention_backend="flex",
-                                    precision="bf16", attention_dropout=0.0, hidden_dropout=0.0)
+        model = flex_block_config(base, length)
         layer = TransformerLayer(model, ParallelContext(), 1234, 1, RNGStream(0)).to(device, torch.bfloat16).train()
         segment_ids = (torch.arange(length, device=device) * 8 // length)[None]  # 8 equal documents
         positions = torch.arange(length, device=device)[None] - torch.searchsorted(segment_ids[0], segment_ids[0])

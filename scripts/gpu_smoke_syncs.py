@@ -143,7 +143,7 @@ def block_syncs(model_config, micro_batch: int, seed: int, device, dtype, counti
     dense, sparse = llama_blocks(model_config, seed, device, dtype)
     x = torch.randn(micro_batch, model_config.seq_length, model_config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
-    found = {}
+    found, places = {}, Counter()
     for name, block, inputs in (("dense", dense, lambda: x), ("dense packed", dense, lambda: (x, *_documents(x))),
                                 ("sparse", sparse, lambda: x)):
         for _ in range(2):
@@ -153,10 +153,18 @@ def block_syncs(model_config, micro_batch: int, seed: int, device, dtype, counti
         objective = out.float().square().mean()
         with counting(block) as backward:
             objective.backward()
-        found[f"{name} forward"] = sum(owners(forward).values())
-        found[f"{name} backward"] = sum(owners(backward).values())
+        for phase, counter in (("forward", forward), ("backward", backward)):
+            found[f"{name} {phase}"] = sum(owners(counter).values())
+            places.update(f"{name} {phase}: {at}" for at in _places(counter))
     found.update(_grouped_against_loop(sparse, x))
+    if places:
+        found["at"] = places  # where each synchronisation was made
     return found
+
+
+def _places(counter) -> list[str]:
+    """Where each of a count's synchronisations was made (the first frame outside torch, as the counter saw it)."""
+    return [event[1] if isinstance(event, tuple) else event.where for event in counter.events]
 
 
 def _grouped_against_loop(block, x) -> dict:
@@ -220,4 +228,6 @@ def judge(found: dict, steps: list[dict], micro_batch: int, length: int) -> tupl
         model_steps = [line["step"] for line in rank0 if line["model"]]
         if model_steps:
             problems.append(f"the model synchronised in steps {model_steps[:5]} (the log's 'model at')")
+    if found.get("at"):  # where the blocks synchronised: what the next change must look at
+        figure += "; blocks synchronised at " + ", ".join(f"{at} x{n}" for at, n in found["at"].most_common(4))
     return ("fail" if problems else "pass"), figure + ("; " + "; ".join(problems) if problems else "")

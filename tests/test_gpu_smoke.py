@@ -293,6 +293,16 @@ def test_the_document_mask_check_runs_its_comparison_forward_on_cpu() -> None:
     assert found["logits_error"] < 1e-6 and found["documents"] > 2 * 4, found
 
 
+def test_the_flex_memory_check_builds_its_long_blocks_from_the_125m_config() -> None:
+    """The check's one-block models at 16k and 32k positions, from 125m's config (learned positions, a table of
+    2,048): the first H200 run stopped here, the lengths refused as longer than the table."""
+    model = load_run_config(ROOT / "ds_configs" / "125m.json").model
+    for length in checks.FLEX_LENGTHS:
+        block = checks.flex_block_config(model, length)
+        assert (block.seq_length, block.num_layers, block.attention_backend) == (length, 1, "flex")
+        assert block.hidden_size == model.hidden_size and block.max_position_embeddings >= length
+
+
 # -- host synchronisations (scripts/gpu_smoke_syncs.py) ----------------------------------------------------------------
 
 import gpu_smoke_syncs as syncs  # noqa: E402
