@@ -16,18 +16,28 @@ On a cluster, each of N jobs tokenises one slice and the shards are merged (the 
 Chat ({"messages": [{"role": ..., "content": ...}, ...]}) and prompt/completion ({"prompt": ..., "completion": ...})
 records, with --chat-template and/or --loss-on, are written as tokens plus a loss mask, as TRL's SFTTrainer masks:
 
-    python tools/preprocess_data.py --input data/corpus/chat_demo.jsonl --output-prefix runs/data/chat \
+    python tools/preprocess_data.py --input data/corpus/chat_demo.jsonl --output-prefix runs/data/chat \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR --chat-template tokenizer
     # -> runs/data/chat_text_document.bin/.idx (tokens) and runs/data/chat_loss_mask_document.bin/.idx (uint8 0/1)
+
+Preference pairs (TRL's formats: {"prompt": ..., "chosen": ..., "rejected": ...}, the prompt optional), with
+--preference, are written as TRL's DPOTrainer tokenises them, chosen and rejected as documents 2i and 2i + 1:
+
+    python tools/preprocess_data.py --input data/corpus/preference_demo.jsonl --output-prefix runs/data/pref \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR --chat-template tokenizer --preference
+    # -> runs/data/pref_text_document, runs/data/pref_loss_mask_document and, last, runs/data/pref_preference.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from data.chat import LOSS_ON
-from data.chat_preprocess import ChatPreprocessConfig, preprocess_chat
+from data.chat_preprocess import ChatPreprocessConfig, ChatPreprocessReport, preprocess_chat
+from data.preference import TRUNCATION
+from data.preference_preprocess import PreferencePreprocessConfig, preprocess_preference
 from data.preprocess import INPUT_FORMATS, BadInputError, PreprocessConfig, preprocess
 from data.sharding import parse_shard
 from data.tokenizers import DEFAULT_MERGE_FILE, DEFAULT_VOCAB_FILE, TOKENIZER_BACKENDS, TOKENIZER_TYPES
@@ -92,6 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --append-eod: the end-of-document token is a target when the record ends with a "
                            "target (only whitespace after it), or with --loss-on all, so that the model learns to "
                            "end a document after the last reply (what this tool did before)")
+    preference = parser.add_argument_group(
+        "preference data",
+        "--preference reads TRL's preference records, {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...} (strings, "
+        "or lists of messages rendered with --chat-template; without 'prompt' it is what chosen and rejected start "
+        "with), tokenised as TRL's DPOTrainer does: the mask is 1 on each completion's tokens. Pair i is documents 2i "
+        "(prompt + chosen) and 2i + 1 (prompt + rejected) of the token and loss-mask datasets; "
+        "{output_prefix}_preference.json is written last. Records with an empty completion, chosen identical to "
+        "rejected, a prompt whose tokens are not a prefix, or that do not fit --seq-length are refused, one line "
+        "each, and counted. See docs/preference-data.md")
+    preference.add_argument("--preference", action="store_true", help="the input is preference pairs")
+    preference.add_argument("--seq-length", type=int, default=None, metavar="N",
+                            help="the model's seq_length: a sequence (prompt + completion) may have N + 1 tokens, as "
+                                 "a training sample (TRL's max_length N + 1). Default: no limit")
+    preference.add_argument("--preference-truncation", choices=TRUNCATION, default="truncate",
+                            help="a pair with a sequence over N + 1 tokens: truncate keeps the first N + 1 tokens of "
+                                 "each (TRL's truncation_mode keep_start) and refuses a pair whose prompt alone is "
+                                 "that long (TRL drops it); drop refuses the pair")
     output = parser.add_argument_group("output data")
     output.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
     output.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
@@ -114,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.preference:
+        return _main_preference(args)
+    if args.seq_length is not None or args.preference_truncation != "truncate":
+        print("error: --seq-length and --preference-truncation apply to --preference data", file=sys.stderr)
+        return 1
     if args.chat_template is not None or args.loss_on is not None:
         return _main_chat(args)
     try:
@@ -133,17 +165,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _chat_options(args: argparse.Namespace) -> dict:
+    return dict(input=args.input, output_prefix=args.output_prefix, json_keys=tuple(args.json_keys),
+                workers=args.workers, append_eod=args.append_eod, tokenizer_type=args.tokenizer_type,
+                vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                skip_bad_lines=args.skip_bad_lines, input_format=args.input_format, batch_size=args.batch_size,
+                progress=not args.no_progress, shard=args.shard, chat_template=args.chat_template,
+                loss_on=args.loss_on or "assistant", eod_is_target=args.eod_is_target)
+
+
 def _main_chat(args: argparse.Namespace) -> int:
+    return _run(lambda: preprocess_chat(ChatPreprocessConfig(**_chat_options(args))))
+
+
+def _main_preference(args: argparse.Namespace) -> int:
+    if args.loss_on is not None:
+        print("error: --loss-on does not apply to --preference data: the mask is each completion's tokens",
+              file=sys.stderr)
+        return 1
+    return _run(lambda: preprocess_preference(PreferencePreprocessConfig(
+        **_chat_options(args), seq_length=args.seq_length, truncation=args.preference_truncation)))
+
+
+def _run(preprocessing: Callable[[], ChatPreprocessReport]) -> int:
     try:
-        config = ChatPreprocessConfig(
-            input=args.input, output_prefix=args.output_prefix, json_keys=tuple(args.json_keys),
-            workers=args.workers, append_eod=args.append_eod, tokenizer_type=args.tokenizer_type,
-            vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-            skip_bad_lines=args.skip_bad_lines, input_format=args.input_format, batch_size=args.batch_size,
-            progress=not args.no_progress, shard=args.shard, chat_template=args.chat_template,
-            loss_on=args.loss_on or "assistant", eod_is_target=args.eod_is_target,
-        )
-        report = preprocess_chat(config)
+        report = preprocessing()
     except (BadInputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
