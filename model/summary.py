@@ -4,10 +4,10 @@
 
 Each stage is built from the same LayerSpec list and the same partitioning as the DeepSpeed PipelineModule of a
 real run, with the tensor shapes of one tensor-parallel rank, on ``torch.device("meta")``. A Mixture-of-Experts
-model (model.moe) is counted from its config alone, total and active (what one token uses), until the pipeline
-builds its sparse blocks:
+model (model.moe) is built the same way with every expert on the rank (expert-parallel size 1: planner/experts.py
+splits the experts over EP from the config), and counted total and active (what one token uses):
 
-    python -m model.summary --preset mixtral-8x7b
+    python -m model.summary --preset mixtral-8x7b --tp 8 --pp 4
 
 Multi-token prediction (model.mtp, model/mtp.py) adds one layer on the last stage, MultiTokenPrediction, of D depths:
 
@@ -194,8 +194,11 @@ def fp8_checkpoint_extras(config: ModelConfig, block: int = 128) -> int:
     return total
 
 
-def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_size: int) -> int:
-    """Parameters of one layer on one TP rank, from the formula (h hidden, V padded vocab, P positions)."""
+def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_size: int,
+                              blocks: tuple[int, ...] = ()) -> int:
+    """Parameters of one layer on one TP rank, from the formula (h hidden, V padded vocab, P positions); a
+    TransformerLayer's ``blocks`` (its block number) says whether it is sparse (model.moe.is_sparse), every expert
+    on the rank."""
     h, tp = config.hidden_size, tensor_parallel_size
     if name in ("WordEmbedding", "OutputHead"):
         return config.padded_vocab_size(tp) // tp * h
@@ -206,6 +209,9 @@ def analytic_layer_parameters(config: ModelConfig, name: str, tensor_parallel_si
     if name in ("FinalLayerNorm", "FinalRMSNorm"):
         return _norm_parameters(config)
     if name == "TransformerLayer":
+        moe = config.moe
+        if moe is not None and any(moe.is_sparse(number) for number in blocks):
+            return sparse_block_parameters(config, tp, moe.num_experts)
         return dense_block_parameters(config, tp)
     if name == "MultiTokenPrediction":
         return mtp_parameters(config, tp)
@@ -285,13 +291,10 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
     """Build every stage of one TP rank on the meta device and count its parameters: one count per pipeline rank.
     Under "dualpipev" the layers are cut into 2 PP stages (DualPipeVModule) and each rank's count holds its two
     stages in ``phases``, the word embedding built once on rank 0, which holds both of its ends. ``uneven_stages``:
-    a PP that does not divide the layers is split as DeepSpeed would (check_split)."""
+    a PP that does not divide the layers is split as DeepSpeed would (check_split). A sparse block holds every expert
+    (expert-parallel size 1; planner/experts.py counts an EP rank's share)."""
     from model.gpt import gpt_layer_specs
 
-    if config.moe is not None:
-        raise ValueError("model.moe: the pipeline does not build Mixture-of-Experts blocks yet (model/moe.py holds the "
-                         "block), so its stages cannot be counted; analytic_total_parameters and "
-                         "analytic_active_parameters count the model from its config")
     per_rank = stages_per_rank(pipeline_schedule)
     check_split(config, tensor_parallel_size, pipeline_parallel_size, stages_per_rank=per_rank,
                 uneven_stages=uneven_stages)
@@ -306,18 +309,20 @@ def count_stages(config: ModelConfig, tensor_parallel_size: int, pipeline_parall
 
     def count(stage: int, stage_ids: list[int], phases: tuple = ()) -> StageCount:
         layers = [layer for s in stage_ids for layer in built[bounds[s]:bounds[s + 1]]]
-        seen, modules = set(), []
-        for _, key, module in layers:  # a rank holding both ends of a tied layer builds it once, as DeepSpeed does
+        seen, kept = set(), []
+        for i, key, module in layers:  # a rank holding both ends of a tied layer builds it once, as DeepSpeed does
             if key is None or key not in seen:
-                modules.append(module)
+                kept.append((i, module))
             seen.add(key)
+        modules = [module for _, module in kept]
         assert all(p.is_meta for m in modules for p in m.parameters())
         names = [type(m).__name__ for m in modules]
         parameters = [p for m in modules for p in m.parameters()]
         return StageCount(
             stage=stage, layers=names,
             parameters_per_tp_rank=sum(p.numel() for p in parameters),
-            analytic_per_tp_rank=sum(analytic_layer_parameters(config, n, tensor_parallel_size) for n in names),
+            analytic_per_tp_rank=sum(analytic_layer_parameters(config, type(module).__name__, tensor_parallel_size,
+                                                               block_numbers[i]) for i, module in kept),
             parameters_per_stage=sum(p.numel() * (tensor_parallel_size if getattr(p, "tensor_model_parallel", False)
                                                   else 1) for p in parameters),
             blocks=tuple(n for i, _, _ in layers for n in block_numbers[i]), phases=phases)
@@ -408,8 +413,8 @@ def format_summary(config: ModelConfig, counts: list[StageCount], tensor_paralle
 
 
 def format_moe_summary(config: ModelConfig, tensor_parallel_size: int) -> str:
-    """A Mixture-of-Experts model's total and active counts from its config alone: the pipeline does not build its
-    sparse blocks yet, so no stage is built (count_stages refuses it)."""
+    """A Mixture-of-Experts model's total and active counts from its config (count_stages builds its stages at
+    expert-parallel size 1, printed beside them by ``main``)."""
     moe, tp = config.moe, tensor_parallel_size
     sparse = sum(moe.is_sparse(n) for n in range(1, config.num_layers + 1))
     shared_ffn = moe.shared_expert_ffn_hidden_size
@@ -418,7 +423,7 @@ def format_moe_summary(config: ModelConfig, tensor_parallel_size: int) -> str:
     embedding = "the tied embedding once" if config.tie_word_embeddings else "both embeddings"
     return "\n".join([
         f"{sparse} of {config.num_layers} blocks sparse: {moe.num_experts} experts of ffn {moe.moe_ffn_hidden_size}, "
-        f"top {moe.top_k}{shared}; counted from the config (the pipeline does not build sparse blocks yet)",
+        f"top {moe.top_k}{shared}",
         "",
         f"total with the tokenizer's vocabulary ({config.vocab_size:,}; what transformers reports): "
         f"{tokenizer_vocabulary_total(config):,}",
@@ -478,17 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     tp = args.tp or (8 if config.num_key_value_heads % 8 == 0 and config.ffn_hidden_size % 8 == 0 else 1)
     pp = args.pp or (35 if config.num_layers % 35 == 0 else 1)
     try:
-        if config.moe is not None:
-            config.check_parallel(tp, pp)
-        else:
-            counts = count_stages(config, tp, pp)
+        counts = count_stages(config, tp, pp)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    built = "" if config.moe is not None else " (built on the meta device)"
+    experts = ", every expert on each rank (EP 1)" if config.moe is not None else ""
     print(f"{args.preset}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
-          f"TP {tp} x PP {pp}{built}\n")
-    print(format_moe_summary(config, tp) if config.moe is not None else format_summary(config, counts, tp))
+          f"TP {tp} x PP {pp} (built on the meta device{experts})\n")
+    if config.moe is not None:
+        print(format_moe_summary(config, tp) + "\n")
+    print(format_summary(config, counts, tp))
     return 0
 
 

@@ -5,8 +5,8 @@ stages at TP 1, PP 1 (the same LayerSpecs a run builds) and its closed form; tra
 AutoModelForCausalLM.from_config. Our embedding is padded to a multiple of make_vocab_size_divisible_by x TP; the
 published count is the unpadded one, so ours is taken with make_vocab_size_divisible_by=1 (at TP 1: no padding).
 
-The Mixture-of-Experts presets (model.moe) are counted from the config alone (the pipeline does not build their
-sparse blocks yet): the total against transformers' Mixtral, Qwen2-MoE and Qwen3-MoE models, and the active count
+The Mixture-of-Experts presets (model.moe) are counted from the config (model/summary.py also builds their stages,
+tests/test_model_config.py): the total against transformers' Mixtral, Qwen2-MoE and Qwen3-MoE models, and the active count
 (what one token uses) against transformers' total less the unused experts' share of its expert tensors.
 """
 

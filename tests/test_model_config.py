@@ -294,9 +294,16 @@ def test_invalid_moe_options_name_the_field(fields, parallel, message):
             config.check_parallel(*parallel)
 
 
-def test_moe_presets_split_and_their_stages_are_not_built_yet():
+def test_moe_presets_split_and_their_stages_are_built_with_every_expert():
+    """count_stages builds the sparse blocks (EP 1) on the meta device: each stage equals its formula, and the
+    stages of one replica the closed-form total (sparse and dense blocks apart: qwen3-30b-a3b's are all sparse,
+    deepseek-v3's first three dense)."""
+    from model.summary import analytic_built_parameters
+
     preset("mixtral-8x7b").check_parallel(8, 4, expert_parallel_size=8)
     preset("qwen3-30b-a3b").check_parallel(4, 4, expert_parallel_size=16)
-    with pytest.raises(ValueError, match=re.escape("model.moe: the pipeline does not build Mixture-of-Experts blocks "
-                                                   "yet (model/moe.py holds the block)")):
-        count_stages(preset("mixtral-8x7b"), 8, 4)  # it would count dense blocks
+    for name, tp, pp in (("mixtral-8x7b", 8, 4), ("qwen3-30b-a3b", 4, 4), ("moonlight-16b-a3b", 2, 1)):
+        config = preset(name)
+        stages = count_stages(config, tp, pp)
+        assert all(stage.parameters_per_tp_rank == stage.analytic_per_tp_rank for stage in stages), name
+        assert sum(stage.parameters_per_stage for stage in stages) == analytic_built_parameters(config, tp), name
