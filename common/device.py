@@ -22,7 +22,8 @@ generation and a training step under ``torch.set_default_device("meta")``, where
 Host by design, today: seeded initialisation draws (model/init.py: the same values at any split and on any
 device), sampling draws (evaluation/generation.py: a seed gives the same tokens on every device), the checkpoint
 commit's agreement (training/checkpoint.py: a gloo group of its own), fault-injection draws (training/faults.py).
-The data loader's batches (data/loader.py, moved by its DevicePrefetcher) and checkpoint snapshots
+The data loader's batches (data/loader.py, and training.dpo's pairs with their reference log-probs,
+training/preference_data.py: both moved by the DevicePrefetcher) and checkpoint snapshots
 (training/checkpoint_engine.py, and their views in the writer process, training/checkpoint_writer.py) are host-side
 too; data/ is outside the rule, and the snapshots copy tensors with ``*_like``/``new_*`` forms or carry the marker.
 """

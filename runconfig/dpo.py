@@ -9,6 +9,10 @@ torch.
                      [1, alpha] (rpo_alpha before 0.20)      over the global batch's chosen tokens)
     label_smoothing  the sigmoid's label_smoothing before     cDPO: -(1 - eps) log sigma(beta delta)
                      0.20 (now "robust" / "exo" only)         - eps log sigma(-beta delta), sigmoid only
+    reference        precompute_ref_log_probs True / False   "file": each sequence's reference log-prob read from
+                                                             {data prefix}_reference_logps.npy (tools/
+                                                             reference_logps.py); "model": a frozen reference on the
+                                                             same ranks, run forward in each step
 
 What the pipeline needs besides (training/dpo.py): pairs as rows 2i (chosen) and 2i + 1 (rejected) of every
 micro-batch, so an even micro-batch, and each row's summed reference log-prob in the last stage's batch.
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_REFERENCES = ("file", "model")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,11 @@ class DPOConfig:
     over the global batch's chosen tokens, as TRL's "sft" loss over one batch. None: no SFT term."""
     label_smoothing: float = 0.0
     """cDPO (Mitchell 2023): the probability that a pair's preference is flipped, in [0, 0.5); sigmoid only."""
+    reference: str = "file"
+    """Where the reference log-probs come from: "file", precomputed once by tools/reference_logps.py from the
+    checkpoint the run starts from (training.init_from) and checked against it and the data at start-up; "model",
+    that checkpoint frozen on the same ranks, run forward over each step's micro-batches (training/preference_data.py
+    ReferenceModel: one more forward per micro-batch and one more copy of the weights, TRL's default)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in DPO_LOSS_TYPES:
@@ -44,6 +54,8 @@ class DPOConfig:
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"training.dpo.label_smoothing must be in [0, 0.5) (a flip probability), got "
                              f"{self.label_smoothing}")
+        if self.reference not in DPO_REFERENCES:
+            raise ValueError(f"training.dpo.reference must be one of {DPO_REFERENCES}, got {self.reference!r}")
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError(f"training.dpo.label_smoothing (cDPO) smooths the sigmoid loss only: set loss_type "
                              f"\"sigmoid\" or label_smoothing 0 (loss_type is {self.loss_type!r})")

@@ -299,6 +299,15 @@ def _check_dpo(config: RunConfig) -> None:
     if config.parallelism.pipeline_schedule != "1f1b":
         refusals.append(f"parallelism.pipeline_schedule {config.parallelism.pipeline_schedule!r}: DPO is checked "
                         f"under \"1f1b\" only so far")
+    if config.model.moe is not None:
+        refusals.append("model.moe: the routers' aux losses and load counts would take the padding of every pair's "
+                        "rows as tokens, which DPO does not mask from them yet; train a dense model")
+    if config.data.eod_mask_loss:
+        refusals.append("data.eod_mask_loss: a pair's targets are its completion mask from the preference data; set "
+                        "it to false")
+    if config.training.eval_interval:
+        refusals.append(f"training.eval_interval ({config.training.eval_interval}): DPO has no held-out evaluation "
+                        f"yet (every pair trains); set it to 0")
     if refusals:
         raise ValueError(f"{config.source}: training.dpo: " + "; ".join(refusals))
 

@@ -18,6 +18,7 @@ from data.loss_mask import find_loss_mask, loss_mask_prefix
 from model.config import set_option
 from model.parallel import ParallelContext
 from runconfig.run import RunConfig
+from training.preference_data import PairLoader, describe_preference_layout, open_preference_data, train_rows
 
 LoaderFactory = Callable[[int], Iterator]
 
@@ -31,7 +32,11 @@ def blend_as_data_path(config: RunConfig) -> list[str]:
 
 def check_datasets(config: RunConfig) -> None:
     """Open every dataset (header, dtype and file sizes are checked on open) and check its token ids against the
-    model's vocabulary, before any process group or model exists."""
+    model's vocabulary, before any process group or model exists; under training.dpo the preference set and its
+    reference log-probs (training/preference_data.py)."""
+    if config.training.dpo is not None:
+        open_preference_data(config, check_files=True)
+        return
     for prefix in blend_as_data_path(config)[1::2]:
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).exists():
@@ -115,6 +120,8 @@ def data_layout(config: RunConfig) -> DataLayout:
 
 def describe_layout(config: RunConfig) -> str:
     """The start-up line: how documents become samples and what the loss divides by, defaults named."""
+    if config.training.dpo is not None:
+        return describe_preference_layout(config)
     layout = data_layout(config)
     documents = ("each sample one stream (no document masks, positions 0 .. s-1)"
                  if not (layout.reset_attention_mask or layout.reset_position_ids) else
@@ -129,7 +136,13 @@ def describe_layout(config: RunConfig) -> str:
 
 
 def build_loader_factories(config: RunConfig, ctx: ParallelContext) -> tuple[LoaderFactory, LoaderFactory | None]:
-    """One loader per DP rank from a data position; on CUDA it pins and prefetches the next micro-batch."""
+    """One loader per DP rank from a data position; on CUDA it pins and prefetches the next micro-batch. Under
+    training.dpo: pairs (training/preference_data.py), no validation set."""
+    if config.training.dpo is not None:
+        rows = train_rows(config, samples_needed(config)[0], *open_preference_data(config))
+        return (lambda consumed_samples: DevicePrefetcher.for_device(PairLoader(
+            rows, micro_batch_size=config.micro_batch_size, data_parallel_rank=ctx.data_parallel_rank,
+            data_parallel_size=ctx.data_parallel_size, consumed_samples=consumed_samples), accelerator_device())), None
     train, valid = build_datasets(config)
     layout = data_layout(config)
 

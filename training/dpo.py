@@ -60,6 +60,15 @@ def pair_losses(config: DPOConfig, chosen_logratios: torch.Tensor, rejected_logr
     return -(1 - smoothing) * F.logsigmoid(logits) - smoothing * F.logsigmoid(-logits)
 
 
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   ctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-log p of each label (b, s), each row's summed log-prob of its targets (b,)), fp32, from this TP rank's
+    logits (b, s, V/R): the policy's in DPOLoss and the reference's in tools/reference_logps.py, the same masking."""
+    vocab_start = ctx.tensor_parallel_rank * logits.shape[-1]
+    token_losses = vocab_parallel_cross_entropy(logits, labels, ctx.tensor_parallel_group, vocab_start)
+    return token_losses, -(token_losses * loss_mask.float()).sum(dim=1)
+
+
 class DPOLoss:
     """``loss_fn(logits, (labels, loss_mask, reference_logps))`` of the pipeline under training.dpo."""
 
@@ -77,11 +86,8 @@ class DPOLoss:
         if targets.shape[0] % 2:
             raise ValueError(f"training.dpo needs whole pairs in a micro-batch (rows 2i, 2i + 1), got {targets.shape[0]} "
                              f"rows: make train_micro_batch_size_per_gpu even")
-        vocab_start = self.ctx.tensor_parallel_rank * logits.shape[-1]
-        token_losses = vocab_parallel_cross_entropy(logits, targets, self.ctx.tensor_parallel_group,
-                                                    vocab_start)  # (b, s) fp32: -log p of each label
+        token_losses, logps = sequence_logps(logits, targets, loss_mask, self.ctx)  # (b, s), (b,) fp32
         mask = loss_mask.float()
-        logps = -(token_losses * mask).sum(dim=1)  # (b,)
         reference_logps = reference_logps.float()
         chosen_logratios = logps[CHOSEN_ROWS] - reference_logps[CHOSEN_ROWS]  # (b/2,)
         rejected_logratios = logps[REJECTED_ROWS] - reference_logps[REJECTED_ROWS]

@@ -115,7 +115,7 @@ class FaultyLoader:
 
     def __next__(self):
         first_sample = self.loader.consumed_samples  # data position of this micro-batch (all DP ranks together)
-        (tokens, *positions_and_documents), (labels, loss_mask) = next(self.loader)
+        (tokens, *positions_and_documents), (labels, loss_mask, *rest) = next(self.loader)  # rest: DPO's reference
         if self.step in self.plan.poison_steps:
             loss_mask = torch.full_like(loss_mask, float("nan"))
         if self.plan.garbage_samples and self.plan.garbage_samples[0] <= first_sample < self.plan.garbage_samples[1]:
@@ -124,4 +124,4 @@ class FaultyLoader:
             # host: drawn from the host generator above, then moved to the batch's device
             tokens = torch.randint(*rare, tokens.shape, generator=generator, device=HOST).to(device)
             labels = torch.randint(*rare, labels.shape, generator=generator, device=HOST).to(device)  # host: as tokens
-        return (tokens, *positions_and_documents), (labels, loss_mask)
+        return (tokens, *positions_and_documents), (labels, loss_mask, *rest)

@@ -44,9 +44,6 @@ def check_buildable(config: RunConfig) -> None:
     the config's own checks): training.plan_hardware against the planner's GPU presets, and what the config can
     describe but the pipeline does not build yet."""
     hardware_of(config.training.plan_hardware)
-    if config.training.dpo is not None:
-        raise ValueError("training.dpo: the objective is built (training/dpo.py), but the data loader does not yet read "
-                         "preference pairs with their reference log-probs (issue 42); the trainer cannot feed it")
     if config.model.moe is not None and config.parallelism.expert_parallel_size > 1:
         refusals = _expert_parallel_refusals(config)
         if refusals:

@@ -67,13 +67,18 @@ class StabilityMonitor:
         return counted
 
     def before_step(self, step: int) -> None:
-        """``step``: the number the coming step will have (1-based)."""
+        """``step``: the number the coming step will have (1-based). Nothing when no monitor is on (under
+        training.dpo the objective is DPOLoss, which keeps no log Z record)."""
+        if not self.records:
+            return
         self.objective.take()  # the record holds one step: the last one before a log
         self.objective.recording = self.records
         if self.due(step):
             self._before = [(group, p, p.detach().clone()) for group, p in self._counted_parameters()]
 
     def after_step(self, step: int) -> None:
+        if not self.records:
+            return
         self.objective.recording = False
         if not self.due(step):
             return

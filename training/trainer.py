@@ -47,6 +47,7 @@ from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
 from training.noise_scale import NoiseScaleMonitor
 from training.plan_check import open_plan_check
+from training.preference_data import ReferenceModel
 from training.profiling import StepProfiler
 from training.spikes import SpikeDetector, in_ignored_warmup
 from training.stability import StabilityMonitor
@@ -138,6 +139,9 @@ class Trainer:
         self._pipeline_schedule: str | None = None  # the stream the last step ran (model/pipe_schedules.py)
         # training.compile: the blocks compile in the first step; one line after the second (training/compile.py)
         self.compile_clock = CompileClock(getattr(engine.module, "compiled_blocks", 0), self.logger.info)
+        # training.dpo.reference "model": the frozen reference, run over each step's micro-batches (collective)
+        dpo = config.training.dpo_config()
+        self.reference = ReferenceModel(config) if dpo is not None and dpo.reference == "model" else None
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -228,6 +232,8 @@ class Trainer:
         dpo = self.config.training.dpo is not None  # its SFT term divides by the step's chosen targets
         if self.config.training.loss_normalization == "tokens" or dpo:  # the step's target count first (collective)
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
+            if self.reference is not None:
+                data = self.reference.fill(data)
             set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size,
                             CHOSEN_ROWS if dpo else slice(None))
             data = iter(data)
