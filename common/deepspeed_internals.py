@@ -36,6 +36,7 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                     map; _exec_schedule looks it up on self)           ReduceGrads averages them over DP; the MoE      training/engine.py
                                                                                        layers learn the micro-batch count
     wrap_instructions             the same map, every handler wrapped                each instruction a profiler range               training/profiling.py
+    flat_partition_layout         round_robin_bit16_*, partition_size, bf16_groups*  where each Muon parameter lies in its flat buffer training/muon.py
     accumulated_gradients         BF16_Optimizer.fp32_groups_gradients, bf16_groups; the gradient of one replica, before the DP      training/noise_scale.py
                                     DeepSpeedZeroOptimizer.bit16_groups,               reduction
                                     get_gradient_for_reduction, partition_gradients
@@ -105,6 +106,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from itertools import accumulate
 from typing import Any
 
 SUPPORTED_VERSIONS = ("0.19.8",)
@@ -121,7 +123,8 @@ INTERNAL_ATTRIBUTES = ("forward_funcs", "loss_fn", "checkpoint_engine", "zipfile
                        "fp32_groups_gradients", "bf16_groups", "bit16_groups", "get_gradient_for_reduction",
                        "partition_gradients", "tied_modules", "__compatible_ops__", "has_moe_layers",
                        "scaled_global_norm", "get_grads_for_norm", "expert_gradients", "DeepSpeedCheckpoint",
-                       "refresh_fp32_params")
+                       "refresh_fp32_params", "round_robin_bit16_groups", "round_robin_bit16_offsets",
+                       "partition_size", "real_dp_process_group", "bf16_groups_flat")
 """DeepSpeed attributes without a leading underscore that its docs do not name: read or written only here."""
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
@@ -252,6 +255,22 @@ def accumulated_gradients(optimizer: Any) -> list[tuple[Any, Any]]:
                 for group in optimizer.bit16_groups for param in group]
     raise ValueError(f"the noise scale reads the accumulated gradients of DeepSpeed's ZeRO-1 optimizer or its "
                      f"BF16_Optimizer, not of {type(optimizer).__name__}: set zero_optimization.stage to 1")
+
+
+def flat_partition_layout(optimizer: Any) -> list[tuple[list[Any], list[int], int, int, Any]]:
+    """Per ZeRO-1 / BF16_Optimizer group: (params in flat order, offsets, partition size, rank r, group); r: [r size, ..)."""
+    import torch.distributed as torch_dist
+    zero, on = hasattr(optimizer, "round_robin_bit16_offsets"), torch_dist.is_initialized()
+    if not (zero or hasattr(optimizer, "bf16_groups_flat")):
+        raise ValueError(f"no flat partitions in {type(optimizer).__name__}: Muon's are ZeRO-1's or BF16_Optimizer's")
+    layouts = []
+    for index, params in enumerate(optimizer.round_robin_bit16_groups if zero else optimizer.bf16_groups):
+        group = optimizer.real_dp_process_group[index]
+        world, rank = (torch_dist.get_world_size(group), torch_dist.get_rank(group)) if on else (1, 0)
+        offsets = optimizer.round_robin_bit16_offsets[index] if zero else accumulate([0] + [p.numel() for p in params])
+        size = optimizer.partition_size[index] if zero else optimizer.bf16_groups_flat[index].numel() // world
+        layouts.append((list(params), list(offsets)[:len(params)], int(size), rank, group))
+    return layouts
 
 
 def norm_dtype() -> Any:

@@ -21,7 +21,8 @@ generation and a training step under ``torch.set_default_device("meta")``, where
 
 Host by design, today: seeded initialisation draws (model/init.py: the same values at any split and on any
 device), sampling draws (evaluation/generation.py: a seed gives the same tokens on every device), the checkpoint
-commit's agreement (training/checkpoint.py: a gloo group of its own), fault-injection draws (training/faults.py).
+commit's agreement (training/checkpoint.py: a gloo group of its own), fault-injection draws (training/faults.py),
+the AdamW groups' step counts under Muon (training/muon.py: torch's AdamW reads them on the host).
 The data loader's batches (data/loader.py, and training.dpo's pairs with their reference log-probs,
 training/preference_data.py: both moved by the DevicePrefetcher) and checkpoint snapshots
 (training/checkpoint_engine.py, and their views in the writer process, training/checkpoint_writer.py) are host-side

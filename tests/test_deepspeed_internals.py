@@ -194,6 +194,33 @@ def test_optimizer_buffers_the_noise_scale_reads():
         door.accumulated_gradients(zero2)
 
 
+def test_flat_partition_layout_reads_where_each_optimizer_flattens():
+    """Muon's partitions (training/muon.py): ZeRO-1's round-robin lists and offsets, BF16_Optimizer's packed groups;
+    the partitions are cut at rank x partition_size in both (what the basic optimizer's group then holds)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls, attributes in ((DeepSpeedZeroOptimizer, ("round_robin_bit16_groups", "round_robin_bit16_offsets",
+                                                      "partition_size", "real_dp_process_group")),
+                            (BF16_Optimizer, ("bf16_groups", "bf16_groups_flat", "real_dp_process_group"))):
+        built = source_of(cls)
+        for attribute in attributes:
+            require(f"self.{attribute}" in built, f"{cls.__name__}.{attribute}", "is no longer set")
+    require("dp_index * partition_size, partition_size" in source_of(BF16_Optimizer), "BF16_Optimizer partitions",
+            "are no longer cut at rank x partition_size")
+    require("param_group['params'] = [self.single_partition_of_fp32_groups[i]]" in source_of(DeepSpeedZeroOptimizer),
+            "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups", "is no longer what the basic optimizer steps")
+    zero = types.SimpleNamespace(round_robin_bit16_groups=[["a", "b"]], round_robin_bit16_offsets=[[0, 6]],
+                                 partition_size=[5], real_dp_process_group=[None])
+    assert door.flat_partition_layout(zero) == [(["a", "b"], [0, 6], 5, 0, None)]
+    bf16 = types.SimpleNamespace(bf16_groups=[[torch.zeros(2, 3), torch.zeros(4)]], bf16_groups_flat=[torch.zeros(10)],
+                                 real_dp_process_group=[None])
+    (params, offsets, size, rank, group), = door.flat_partition_layout(bf16)
+    assert (offsets, size, rank) == ([0, 6], 10, 0)
+    with pytest.raises(ValueError, match="no flat partitions in SimpleNamespace"):
+        door.flat_partition_layout(types.SimpleNamespace())
+
+
 def test_norm_dtype_is_fp64_on_cpu():
     assert door.norm_dtype() is torch.float64
 

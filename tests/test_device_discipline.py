@@ -50,7 +50,7 @@ MARKER = re.compile(r"#\s*host:\s*\S")
 # The files that hold a host-by-design tensor (common/device.py lists why); a new one is a decision, made here.
 HOST_FILES = {"model/layers.py", "model/init.py", "evaluation/generation.py", "training/faults.py",
               "training/checkpoint.py", "training/checkpoint_engine.py", "training/checkpoint_writer.py",
-              "training/preference_data.py"}
+              "training/preference_data.py", "training/muon.py"}
 
 
 @dataclass(frozen=True)

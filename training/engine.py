@@ -17,8 +17,10 @@ from model.parallel import ParallelContext, build_parallel_context, init_distrib
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
 from runconfig.dpo import DPOConfig
+from runconfig.optimizer import muon_config
 from training.compile import compile_blocks
 from training.dpo import DPOLoss
+from training.muon import bind_partitions, build_muon
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -93,10 +95,20 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
     torch.manual_seed(default_stream_seed(seed, context))
     module = build_pipeline_model(model_config, context, seed, parallel_config.partition_method, z_loss, schedule)
     module.compiled_blocks = compile_blocks(module) if compiled else 0
-    weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    muon = muon_config(deepspeed_config)
+    if muon is not None:  # our optimizer as DeepSpeed's client optimizer (training/muon.py); DeepSpeed's Muon unused
+        deepspeed_config = {**{k: v for k, v in deepspeed_config.items() if k != "optimizer"},
+                            "zero_allow_untested_optimizer": True}
     ds_internals.skip_muon_kernels(str(deepspeed_config.get("optimizer", {}).get("type", "")))
-    param_groups = weight_decay_groups(module, weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups, config=deepspeed_config)
+    if muon is not None:
+        optimizer = build_muon(module, model_config, context, muon)
+        param_groups = optimizer.param_groups
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config)
+        bind_partitions(optimizer, engine.optimizer)
+    else:
+        weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+        param_groups = weight_decay_groups(module, weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups, config=deepspeed_config)
     if dpo is not None:
         objective = DPOLoss(context, dpo)
         ds_internals.wrap_loss(engine, lambda next_token_loss: objective)

@@ -20,7 +20,6 @@ def _expert_parallel_refusals(config: RunConfig) -> list[str]:
     """What expert parallelism (EP > 1) does not support yet, one line each."""
     ep = config.parallelism.expert_parallel_size
     zero = config.deepspeed.get("zero_optimization", {})
-    optimizer = str(config.deepspeed.get("optimizer", {}).get("type", ""))
     refusals = []
     if zero.get("stage", 0) != 1:
         refusals.append(f"parallelism.expert_parallel_size {ep} needs zero_optimization.stage 1 (ZeRO-1 in fp32, "
@@ -29,9 +28,6 @@ def _expert_parallel_refusals(config: RunConfig) -> list[str]:
     if zero.get("reduce_scatter", True) is not True:
         refusals.append(f"parallelism.expert_parallel_size {ep} needs zero_optimization.reduce_scatter true "
                         f"(DeepSpeed's ZeRO-1 asserts it with experts)")
-    if "muon" in optimizer.lower():
-        refusals.append(f"parallelism.expert_parallel_size {ep} does not run with Muon (DeepSpeed's optimizers "
-                        f"refuse Muon with experts): use Adam")
     if config.schedule.batch.get("type") == "noise_scale":
         refusals.append(f"parallelism.expert_parallel_size {ep} cannot drive schedule.batch by the noise scale: an "
                         f"expert's gradient before the reduction already sums its EP group's tokens, so it is not "

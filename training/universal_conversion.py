@@ -28,6 +28,7 @@ import torch
 
 from common import deepspeed_internals as ds_internals
 from model.checkpoint_files import BLOCK_PREFIX
+from runconfig.optimizer import is_muon
 
 EXPERT_PARAMETER = re.compile(BLOCK_PREFIX + r"mlp\.block\.experts\.(gate_up|down)$")
 """The experts' parameters by their DeepSpeed names (pipeline layer index, then the module path: model/moe.py)."""
@@ -87,6 +88,9 @@ def convert(input_folder: str | Path, output_folder: str | Path, workers: int) -
     from model.checkpoint_files import model_states_file
 
     states = torch.load(model_states_file(Path(input_folder), 0), map_location="cpu", weights_only=True)
+    if is_muon(states["run_config"]):  # DeepSpeed's converter reads exp_avg and exp_avg_sq of every parameter
+        raise ValueError(f"{input_folder} was trained with Muon, whose matrices hold one momentum, not Adam's two "
+                         f"moments: it resumes at its own TP x PP x DP only (docs/muon.md); reshaping it is not built")
     model = model_config_from_dict(dict(states["run_config"]["model"]))
     num_experts = model.moe.num_experts if model.moe is not None else 0
 

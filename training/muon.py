@@ -1,0 +1,276 @@
+"""Muon on tensor-parallel matrices: each Hugging Face matrix orthogonalised whole, AdamW for everything else.
+
+What each parameter gets (``muon_param_groups``), and what one step does with it, on every rank:
+
+    parameter                                      group                 update
+    block matrices: attention.qkv, attention.dense, "muon" (EP > 1: the   Muon: momentum, Newton-Schulz on each
+      mlp.gate_up / down (fc1 / fc2), MLA's         experts' "ep_size_N",  Hugging Face matrix whole (q, k, v, o,
+      projections, shared and routed experts        "muon" true)          gate, up, down apart; experts per expert)
+    embeddings, untied head, other 2-D (routers,   "decay"               AdamW (torch's functional AdamW)
+      shared-expert gate)
+    norms, biases (1-D)                            "no_decay"            AdamW, weight decay 0
+
+DeepSpeed drives the step as it does Adam's: the gradients are averaged over DP, the global norm is computed and the
+gradients clipped by ZeRO-1 (or BF16_Optimizer) exactly as for Adam, and only then is this optimizer's ``step`` called,
+on each param group's flat fp32 partition (1/DP of the group's flattened parameters). A Muon group's step:
+
+    1. momentum, elementwise on this rank's partition:   B = lerp(B, g, 1 - mu);  U = lerp(g, B, mu) (nesterov) or B
+    2. all-gather U over the group's data-parallel group (ZeRO's partition group; EDP for experts): the whole flat
+       group, each parameter's TP shard of U (``flat_partition_layout`` says where each lies)
+    3. for each parameter overlapping this rank's partition: all-gather its TP shards over the TP group, merge them
+       into the HF matrices (hf/transforms.py merge_to_hf), Newton-Schulz each in fp32, times lr x adjust_lr(HF
+       shape), split back (split_from_hf) and keep this TP rank's shard
+    4. W = W (1 - lr wd) - that, on this rank's partition
+
+Without ZeRO (stage 0, fp32) the groups hold the parameters themselves: steps 2 and the partition are skipped.
+
+Cost per step and stage, M the Muon parameters of the stage (this rank's TP shards), d the DP size, t the TP size:
+momentum 4 M / d bytes (one fp32 state, sharded as Adam's exp_avg); a transient fp32 gather buffer of 4 M bytes;
+communication an all-gather of 4 M bytes over DP (ZeRO's own parameter all-gather moves the same count in the
+training dtype) and, per matrix, an all-gather of (t - 1) / t of it over TP; compute: every matrix orthogonalised
+on the t TP ranks of the DP rank(s) whose partition it overlaps (about 1/d of the matrices per rank, plus those
+cut by a partition boundary), 5 iterations of ~3 matmuls of the matrix's short side (``newton_schulz_flops``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adam import adam as functional_adam
+
+from common import deepspeed_internals as ds_internals
+from common.device import HOST
+from hf.tables import TensorMap, layer_maps, resolve_architecture
+from hf.transforms import merge_to_hf, split_from_hf
+from model.config import ModelConfig
+from model.parallel import ParallelContext
+from runconfig.optimizer import NS_COEFFICIENTS, NS_EPS, MuonConfig
+
+NOT_MUON = ("mlp.block.router.weight", "mlp.block.shared_expert.gate")
+"""2-D block tensors that are not weight matrices of a linear map between hidden features: routers and the
+shared-expert gate go to AdamW (Moonlight; torch's docs)."""
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation (its quintic, coefficients, steps and eps), in fp32 where torch's runs
+    in bf16: the matrix divided by its Frobenius norm, then ``steps`` of X <- a X + (b A + c A^2) X, A = X X^T, on the
+    wide orientation. Returns a new fp32 tensor of ``matrix``'s shape."""
+    a, b, c = coefficients
+    x = matrix.to(torch.float32, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr: str, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-matrix learning rate of an [A, B] matrix (its ``_adjust_lr``)."""
+    rows, columns = shape[:2]
+    if adjust_lr == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, columns))
+    return lr * math.sqrt(max(1, rows / columns))
+
+
+def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
+    """Multiply-adds x 2 of ``newton_schulz`` on an [rows, columns] matrix: per step X X^T (s^2 l), A A (s^3) and
+    B X (s^2 l), with s the short side and l the long one."""
+    short, long = min(rows, columns), max(rows, columns)
+    return 2 * steps * (2 * short * short * long + short ** 3)
+
+
+@dataclass(frozen=True)
+class FlatPartition:
+    """Where a param group's parameters lie in its flat buffer, and this rank's partition of it
+    (common/deepspeed_internals.py, flat_partition_layout)."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    size: int
+    """Elements per rank: rank r holds [r size, (r + 1) size) of the flat buffer."""
+    rank: int
+    group: Any
+
+
+def muon_param_groups(module: nn.Module, tensors: dict[nn.Parameter, TensorMap],
+                      weight_decay: float) -> list[dict[str, Any]]:
+    """The stage's parameters in the table's groups (module docstring), each named; Muon's (``tensors``, from
+    ``muon_parameters``) marked ``muon`` True. The experts at EP > 1 keep their own group (DeepSpeed reduces them over
+    their EDP group), a Muon one."""
+    muon = {id(p) for p in tensors}
+    trained = [p for p in module.parameters() if p.requires_grad]
+    dense = [p for p in trained if ds_internals.expert_group_of(p) is None]
+    groups = [{"name": "muon", "params": [p for p in dense if id(p) in muon], "weight_decay": weight_decay,
+               "muon": True},
+              {"name": "decay", "params": [p for p in dense if p.ndim >= 2 and id(p) not in muon],
+               "weight_decay": weight_decay, "muon": False},
+              {"name": "no_decay", "params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0, "muon": False}]
+    for name in sorted({ds_internals.expert_group_of(p) for p in trained} - {None}):
+        experts = [p for p in trained if ds_internals.expert_group_of(p) == name]
+        if any(id(p) not in muon for p in experts):
+            raise ValueError(f"Muon: expert group {name} holds parameters that are not expert matrices")
+        group = ds_internals.expert_param_group(experts, int(name.removeprefix("ep_size_")), weight_decay)
+        groups.append({**group, "muon": True})
+    return [group for group in groups if group["params"]]
+
+
+def muon_parameters(module: nn.Module, config: ModelConfig) -> dict[nn.Parameter, TensorMap]:
+    """The stage's block matrices with their HF tensor maps (hf/tables.py), keyed by parameter. A pipeline module
+    names a layer's parameters "<layer index>.<key>", the index and key of layer_XX files."""
+    maps = {layer.index: {tensor.ours: tensor for tensor in layer.tensors}
+            for layer in layer_maps(config, resolve_architecture(config))}
+    blocks = range(2, config.num_layers + 2)
+    found = {}
+    for name, param in module.named_parameters():
+        index, _, key = name.partition(".")
+        if not index.isdigit() or int(index) not in blocks or param.ndim < 2 or key in NOT_MUON:
+            continue
+        tensor = maps[int(index)].get(key)
+        if tensor is None:
+            raise ValueError(f"Muon: the block parameter {name} has no Hugging Face tensor map (hf/tables.py)")
+        found[param] = tensor
+    return found
+
+
+class TensorParallelMuon(torch.optim.Optimizer):
+    """Muon for the block matrices, each orthogonalised as the whole HF matrix across the TP shards, and AdamW for
+    the rest (module docstring). Built before deepspeed.initialize (a client optimizer: ZeRO-1 or BF16_Optimizer
+    wraps it), then ``bind``-ed to the flat partitions the wrapper made of its groups."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], options: MuonConfig, tensors: dict[nn.Parameter, TensorMap],
+                 model_config: ModelConfig, context: ParallelContext) -> None:
+        defaults = dict(lr=options.lr, weight_decay=options.weight_decay, momentum=options.momentum,
+                        nesterov=options.nesterov, ns_steps=options.ns_steps, adjust_lr=options.adjust_lr,
+                        betas=options.betas, eps=options.eps)
+        super().__init__(param_groups, defaults)
+        self.tensors = {id(param): tensor for param, tensor in tensors.items()}
+        self.model_config, self.context = model_config, context
+        self.partitions: dict[str, FlatPartition] = {}
+
+    def bind(self, partitions: dict[str, FlatPartition]) -> None:
+        """The flat partitions DeepSpeed's optimizer made of each Muon group (by group name): from now on the groups
+        hold those, not the parameters."""
+        self.partitions = {name: partition for name, partition in partitions.items()
+                           if any(group["name"] == name and group["muon"] for group in self.param_groups)}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """One step of every group DeepSpeed hands over (ZeRO-1 steps one group at a time)."""
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.AdamW's single-tensor update (its functional form), on whatever the group holds."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, device=HOST)  # host: torch's AdamW counts its steps on the host (capturable off)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        functional_adam(
+            params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+            [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
+            foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _momentum_update(self, flat: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """B = lerp(B, g, 1 - mu) in place; returns what Newton-Schulz orthogonalises (torch's Muon)."""
+        grad, momentum = flat.grad, group["momentum"]
+        state = self.state[flat]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(grad, 1 - momentum)
+        return grad.lerp(buffer, momentum) if group["nesterov"] else buffer.clone()
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        partition = self.partitions.get(group["name"])
+        lr, decay = group["lr"], group["weight_decay"]
+        if partition is None:  # no ZeRO: the group holds the parameters, each update whole on this rank
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                orthogonal = self.orthogonal_shard(param, self._momentum_update(param, group), group)
+                param.mul_(1 - lr * decay).sub_(orthogonal)
+            return
+        (flat,) = group["params"]
+        update = self._momentum_update(flat, group)  # (P,), this rank's partition
+        world = dist.get_world_size(group=partition.group) if partition.group is not None else 1
+        if world > 1:
+            pieces = [torch.empty_like(update) for _ in range(world)]
+            dist.all_gather(pieces, update, group=partition.group)
+            whole = torch.cat(pieces)  # (world P,): the whole flat group
+        else:
+            whole = update
+        start = partition.rank * partition.size
+        end = start + partition.size
+        flat.mul_(1 - lr * decay)
+        for param, offset in zip(partition.params, partition.offsets, strict=True):
+            low, high = max(offset, start), min(offset + param.numel(), end)
+            if low >= high:  # the same on every TP rank: the TP shards have the same shapes and offsets
+                continue
+            shard = whole[offset:offset + param.numel()].view(param.shape)
+            orthogonal = self.orthogonal_shard(param, shard, group).reshape(-1)
+            flat[low - start:high - start].sub_(orthogonal[low - offset:high - offset])
+
+    def orthogonal_shard(self, param: nn.Parameter, shard: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Collective over the TP group: this rank's shard of lr x adjust_lr x NS(each HF matrix of the whole
+        update), from this rank's ``shard`` of the update (the shape of ``param``)."""
+        tensor, ctx = self.tensors[id(param)], self.context
+        if ctx.tensor_parallel_size > 1:
+            shards = [torch.empty_like(shard) for _ in range(ctx.tensor_parallel_size)]
+            dist.all_gather(shards, shard.contiguous(), group=ctx.tensor_parallel_group)
+        else:
+            shards = [shard]
+        merged = merge_to_hf(tensor, shards, self.model_config)
+        matrices = (merged,) if torch.is_tensor(merged) else merged
+        scaled = tuple(newton_schulz(matrix, group["ns_steps"]).mul_(
+            adjusted_lr(group["lr"], group["adjust_lr"], matrix.shape)) for matrix in matrices)
+        value = scaled[0] if torch.is_tensor(merged) else scaled
+        return split_from_hf(tensor, value, self.model_config, ctx.tensor_parallel_size)[ctx.tensor_parallel_rank]
+
+
+def as_pipeline_layers(model: nn.Module) -> nn.Module:
+    """The one-process GPT (model/gpt.py) under a pipeline module's parameter names ("<layer index>.<key>", the
+    layer_XX indices), for ``build_muon`` on one process (a tied head is the embedding, layer 0)."""
+    layers = nn.Module()
+    count = len(model.layers)
+    for index, module in ((0, model.word_embeddings), (1, model.position_embedding), (count + 2, model.final_norm),
+                          (count + 3, model.output_head), *((2 + i, layer) for i, layer in enumerate(model.layers))):
+        if module is not None:
+            layers.add_module(str(index), module)
+    return layers
+
+
+def build_muon(module: nn.Module, model_config: ModelConfig, context: ParallelContext,
+               options: MuonConfig) -> TensorParallelMuon:
+    """The stage's optimizer, before deepspeed.initialize."""
+    tensors = muon_parameters(module, model_config)
+    return TensorParallelMuon(muon_param_groups(module, tensors, options.weight_decay), options, tensors,
+                              model_config, context)
+
+
+def bind_partitions(optimizer: TensorParallelMuon, wrapper: Any) -> None:
+    """After deepspeed.initialize: where ZeRO-1 / BF16_Optimizer (``wrapper``, engine.optimizer) put each group's
+    parameters in its flat buffer. Without a wrapper (the engine's optimizer is ours) the groups keep the
+    parameters."""
+    if wrapper is optimizer:
+        return
+    layouts = ds_internals.flat_partition_layout(wrapper)
+    optimizer.bind({group["name"]: FlatPartition(*layout)
+                    for group, layout in zip(optimizer.param_groups, layouts, strict=True)})
