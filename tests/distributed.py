@@ -56,6 +56,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     import torch.distributed as dist
 
     from model.parallel import init_distributed
+    from training.checkpoint_writer import WriterProcess
+
+    WriterProcess.fork_early()  # as train.py does: the rank's first engine saves through it, no fresh interpreter
 
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
