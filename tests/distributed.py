@@ -50,6 +50,11 @@ def launcher_environment(rank: int, world_size: int, port: int) -> dict[str, str
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 
 
+WRITERS = 4
+"""Checkpoint writers each rank forks first thing: the engines a test builds and saves in one world (test_muon's
+four) take them; a fifth spawns its own."""
+
+
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.update(launcher_environment(rank, world_size, port))
     torch.set_num_threads(1)
@@ -58,7 +63,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     from model.parallel import init_distributed
     from training.checkpoint_writer import WriterProcess
 
-    WriterProcess.fork_early()  # as train.py does: the rank's first engine saves through it, no fresh interpreter
+    WriterProcess.fork_early(WRITERS)  # as train.py does: the rank's engines save through them, no fresh interpreter
 
     out = Path(out_dir) / f"rank{rank}.pt"
     try:

@@ -216,8 +216,8 @@ class WriterProcess:
     """The training process's end: starts the writer, hands it the buffers' handles and each file, and takes back
     each file's WrittenFile (or raises its error). ``write`` is called by one thread at a time."""
 
-    _early: WriterProcess | None = None
-    """The writer train.py forked at its start (fork_early), until an engine takes it (start)."""
+    _early: list[WriterProcess] = []
+    """The writers forked at the start (fork_early: train.py's one), until engines take them (start)."""
 
     def __init__(self, method: str = "spawn") -> None:
         import torch.multiprocessing  # noqa: F401  torch's reductions: a shared storage pickles as its handle
@@ -241,19 +241,21 @@ class WriterProcess:
         self._lock = threading.Lock()
 
     @classmethod
-    def fork_early(cls) -> None:
-        """Fork the writer of this process's first engine now (train.py, first thing): a fork costs nothing, but only
-        while the process has one thread and no CUDA context, before anything has run; otherwise the engine spawns
-        its writer as usual."""
-        if cls._early is None and threading.active_count() == 1 and not torch.cuda.is_initialized():
-            cls._early = cls("fork")
+    def fork_early(cls, writers: int = 1) -> None:
+        """Fork the writers of this process's first ``writers`` engines now (train.py: one, first thing): a fork
+        costs nothing, but only while the process has one thread and no CUDA context, before anything has run;
+        otherwise each engine spawns its writer as usual. A writer forked after another holds the training end of
+        the earlier one's pipe, so at exit they end in turn, the last forked first."""
+        if not cls._early and threading.active_count() == 1 and not torch.cuda.is_initialized():
+            cls._early = [cls("fork") for _ in range(writers)]
 
     @classmethod
     def start(cls) -> WriterProcess:
-        """The engine's writer: the one forked at start-up if it is alive and not taken yet, else a spawned one."""
-        early, cls._early = cls._early, None
-        if early is not None and early.process.is_alive():
-            return early
+        """The engine's writer: one forked at start-up if one is alive and not taken yet, else a spawned one."""
+        while cls._early:
+            early = cls._early.pop(0)
+            if early.process.is_alive():
+                return early
         return cls()
 
     def share(self, buffers: dict[int, tuple[int, torch.UntypedStorage]]) -> None:
