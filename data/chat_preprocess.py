@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from contextlib import ExitStack, closing
+from collections.abc import Iterator
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,33 +168,47 @@ def preprocess_chat(config: ChatPreprocessConfig, tokenizer=None) -> ChatPreproc
     dtype = optimal_dtype(len(encoder.tokenizer))
     prefix = tokens_prefix(config.output_prefix)
     report = ChatPreprocessReport([prefix, loss_mask_prefix(prefix)], masks_from)
+    with masked_batches(config, report, ChatBatchEncoder(encoder, dtype), dtype) as batches:
+        for batch, where in batches:
+            for number, reason in batch.refused:
+                report.refused[reason] += 1
+                if len(report.refused_examples) < 10:
+                    report.refused_examples.append(f"{where(batch.source, number)}: {reason}")
+            report.documents += batch.num_documents
+            report.tokens["text"] += batch.tokens.size
+            report.target_tokens += int(np.count_nonzero(batch.masks))
+            report.input_bytes += batch.input_bytes
+        if report.documents == 0:
+            raise BadInputError(f"{', '.join(config.files[:3])}: no documents (every record was refused or "
+                                f"bad: {dict(report.refused)}); nothing was written")
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@contextmanager
+def masked_batches(config: PreprocessConfig, report, batch_encoder, dtype: np.dtype) -> Iterator:
+    """The encoded batches of ``config``'s input, each as (batch, line numbers) for the caller to count in
+    ``report``, then written, one sequence a document, to the token and loss-mask builders of ``report.outputs``
+    (its bad lines recorded first, the progress bar moved after). An error inside leaves no dataset behind (the
+    builders' own cleanup); chat data and preference pairs (data/preference_preprocess.py) write through it."""
     slices = config.slices()
-    where = _LineNumbers(config, slices)
-    progress = _Progress(config, slices)
+    where, progress = _LineNumbers(config, slices), _Progress(config, slices)
     try:
         with ExitStack() as stack:
             tokens = stack.enter_context(IndexedDatasetBuilder(report.outputs[0], dtype))
             masks = stack.enter_context(IndexedDatasetBuilder(report.outputs[1], np.uint8))
             batches = stack.enter_context(closing(encode_stream(config, read_batches(config, slices),
-                                                                ChatBatchEncoder(encoder, dtype))))
-            for batch in batches:
-                _record_bad_lines(config, batch, report, where)
-                for number, reason in batch.refused:
-                    report.refused[reason] += 1
-                    if len(report.refused_examples) < 10:
-                        report.refused_examples.append(f"{where(batch.source, number)}: {reason}")
-                ones = np.ones(batch.num_documents, dtype=np.int64)
-                tokens.add_documents(batch.tokens, batch.lengths, ones)
-                masks.add_documents(batch.masks, batch.lengths, ones)
-                report.documents += batch.num_documents
-                report.tokens["text"] += batch.tokens.size
-                report.target_tokens += int(np.count_nonzero(batch.masks))
-                report.input_bytes += batch.input_bytes
-                progress.update(report, batch.input_bytes)
-            if report.documents == 0:
-                raise BadInputError(f"{', '.join(config.files[:3])}: no documents (every record was refused or "
-                                    f"bad: {dict(report.refused)}); nothing was written")
+                                                                batch_encoder)))
+
+            def written() -> Iterator:
+                for batch in batches:
+                    _record_bad_lines(config, batch, report, where)
+                    yield batch, where
+                    ones = np.ones(batch.lengths.size, dtype=np.int64)
+                    tokens.add_documents(batch.tokens, batch.lengths, ones)
+                    masks.add_documents(batch.masks, batch.lengths, ones)
+                    progress.update(report, batch.input_bytes)
+
+            yield written()
     finally:
         progress.close()
-    report.seconds = time.perf_counter() - start
-    return report

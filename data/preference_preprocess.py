@@ -58,14 +58,13 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from data.chat import BadRecord, Example, Refused, _messages, load_chat_template, load_hf_tokenizer, parse_record
-from data.chat_preprocess import ChatPreprocessConfig, ChatPreprocessReport
-from data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from data.chat_preprocess import ChatPreprocessConfig, ChatPreprocessReport, masked_batches
+from data.indexed_dataset import optimal_dtype
 from data.loss_mask import loss_mask_prefix, tokens_prefix
 from data.preference import (
     TRUNCATION,
@@ -74,7 +73,7 @@ from data.preference import (
     remove_preference_meta,
     write_preference_meta,
 )
-from data.preprocess import BadInputError, Task, _LineNumbers, _Progress, _record_bad_lines, encode_stream, read_batches
+from data.preprocess import BadInputError, Task, _LineNumbers
 
 EMPTY, IDENTICAL, NOT_A_PREFIX, TOO_LONG = ("empty completion", "chosen identical to rejected", "prompt not a prefix",
                                             "longer than seq_length")
@@ -376,22 +375,9 @@ def preprocess_preference(config: PreferencePreprocessConfig, tokenizer=None) ->
 
 def _write_pairs(config: PreferencePreprocessConfig, encoder: PreferenceEncoder, dtype: np.dtype,
                  report: PreferencePreprocessReport) -> None:
-    slices = config.slices()
-    where, progress = _LineNumbers(config, slices), _Progress(config, slices)
-    try:
-        with ExitStack() as stack:
-            tokens = stack.enter_context(IndexedDatasetBuilder(report.outputs[0], dtype))
-            masks = stack.enter_context(IndexedDatasetBuilder(report.outputs[1], np.uint8))
-            batches = stack.enter_context(closing(encode_stream(config, read_batches(config, slices),
-                                                                PairBatchEncoder(encoder, dtype))))
-            for batch in batches:
-                _record_bad_lines(config, batch, report, where)
-                report.count(batch, where)
-                for builder, values in ((tokens, batch.tokens), (masks, batch.masks)):  # one sequence a document
-                    builder.add_documents(values, batch.lengths, np.ones(batch.lengths.size, dtype=np.int64))
-                progress.update(report, batch.input_bytes)
-            if report.pairs == 0:
-                raise BadInputError(f"{', '.join(config.files[:3])}: no pairs (every record was refused or bad: "
-                                    f"{dict(report.refused)}); nothing was written")
-    finally:
-        progress.close()
+    with masked_batches(config, report, PairBatchEncoder(encoder, dtype), dtype) as batches:
+        for batch, where in batches:
+            report.count(batch, where)
+        if report.pairs == 0:
+            raise BadInputError(f"{', '.join(config.files[:3])}: no pairs (every record was refused or bad: "
+                                f"{dict(report.refused)}); nothing was written")
