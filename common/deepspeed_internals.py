@@ -1,4 +1,5 @@
-"""The one door to DeepSpeed's private API: every use of it in the project is a function of this module.
+"""The one door to DeepSpeed's private API: every use of it in the project is a function of this module, or of its
+second room, common/deepspeed_conversion.py (the universal-checkpoint converter), under the same rules.
 
 DeepSpeed is pinned (``SUPPORTED_VERSIONS``); importing this module on another version raises ImportError. Each touch
 has a contract test in tests/test_deepspeed_internals.py that names the DeepSpeed attribute when it moves or changes
@@ -86,12 +87,7 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                                                                        saved in this project's files
     refresh_master_weights        optimizer.refresh_fp32_params                      fp32 masters re-read from weights restored      training/checkpoint.py
                                                                                        after a module-only load (the experts)
-    convert_to_universal          ds_to_universal: DeepSpeedCheckpoint, its ZeRO-1/2 the experts' fragments, spread over the       training/universal_
-                                    steps (_check_for_required_state,                  expert-data-parallel groups, are merged by us   conversion.py
-                                    _create_checkpoint_paths, _group_per_tp_shapes,    between its extraction and its merge; its
-                                    _aggregate_autoep_zero12_metadata,                 optimizer_state.pt's param groups padded (its
-                                    _extract_zero_shard_files, _merge_tp_slice_files,  loader zips them with the run's)
-                                    _save_optimizer_state)
+    (the universal-checkpoint converter's touches live in common/deepspeed_conversion.py, the door's second room)
 
 Every function imports DeepSpeed itself, when called: importing this module reads only the installed version
 (package metadata), so the floor stays cheap for the packages that never touch DeepSpeed.
@@ -549,51 +545,3 @@ def refresh_master_weights(engine: Any) -> None:
     DeepSpeed load (which refreshes them itself when it loads the module only)."""
     engine.optimizer.refresh_fp32_params()
 
-
-def convert_to_universal(input_folder: str, output_folder: str, workers: int,
-                         merge_own: Callable[[str, str, dict[str, Any], int, int], set[str]]) -> None:
-    """DeepSpeed's universal-checkpoint converter (ds_to_universal.main's ZeRO-1/2 path, strict) with one step of
-    ours between its extraction of every rank's ZeRO fragments (``<output>/tmp/<name>/<tp>/<state>.<dp>``) and its
-    merge over TP: ``merge_own(temp_dir, zero_dir, slice_shapes, dp_degree, tp_degree)`` writes the universal files
-    of the parameters it takes (``<zero_dir>/<name>/<state>.pt``) and returns their names, which DeepSpeed's merge
-    then leaves out. ``slice_shapes``: {name: [shape of each TP rank's slice]}.
-
-    Its optimizer_state.pt keeps the checkpoint's param groups, which DeepSpeed's universal loader zips with the
-    run's (load_hp_checkpoint_state_from_checkpoint_dir): a run with more groups (the experts' own at EP > 1, from a
-    checkpoint written at EP 1) would leave its last groups unloaded, silently. Nothing but their number is read, so
-    the list is padded with copies of its last group to ``PADDED_PARAM_GROUPS``."""
-    import argparse
-    import os
-    import shutil
-
-    import torch
-    from deepspeed.checkpoint import constants
-    from deepspeed.checkpoint import ds_to_universal as converter
-
-    args = argparse.Namespace(input_folder=input_folder, output_folder=output_folder, num_extract_workers=workers,
-                              num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
-                              inject_missing_state=False)
-    checkpoint = converter.DeepSpeedCheckpoint(input_folder)
-    converter._check_for_required_state(checkpoint)
-    converter._create_checkpoint_paths(output_folder, checkpoint.get_iteration(), checkpoint.tp_degree,
-                                       checkpoint.pp_degree)
-    shapes_by_rank, _, _ = converter._aggregate_autoep_zero12_metadata(checkpoint.model_state_metadata)
-    slice_shapes = converter._group_per_tp_shapes(shapes_by_rank, checkpoint.pp_degree, checkpoint.tp_degree)
-    temp_dir, zero_dir = os.path.join(output_folder, "tmp"), os.path.join(output_folder, "zero")
-    converter._extract_zero_shard_files(args, checkpoint, temp_dir)
-    taken = merge_own(temp_dir, zero_dir, slice_shapes, checkpoint.dp_degree, checkpoint.tp_degree)
-    converter._merge_tp_slice_files(args, checkpoint.get_checkpoint_info(constants.UNIVERSAL_CHECKPOINT_INFO),
-                                    checkpoint.tp_degree, slice_shapes, temp_dir, exclude_param_names=taken)
-    converter._save_optimizer_state(args, checkpoint)
-    state_path = os.path.join(zero_dir, "optimizer_state.pt")
-    state = torch.load(state_path, weights_only=False)
-    groups = state[constants.PARAM_GROUPS]
-    groups.extend(dict(groups[-1]) for _ in range(PADDED_PARAM_GROUPS - len(groups)))
-    torch.save(state, state_path)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    for path in checkpoint.mp_rank_files:
-        shutil.copy2(path, output_folder)
-
-
-PADDED_PARAM_GROUPS = 8
-"""More than any run here makes (decay, no decay, the experts', Muon's)."""

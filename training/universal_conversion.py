@@ -2,7 +2,7 @@
 
     python -m training.universal_conversion --input <save>/<tag> --output <save>/universal/<tag>.tmp
 
-DeepSpeed's converter (common/deepspeed_internals.py convert_to_universal) extracts every rank's ZeRO fragments,
+DeepSpeed's converter (common/deepspeed_conversion.py convert_to_universal) extracts every rank's ZeRO fragments,
 ``tmp/<name>/<tp>/<state>.<dp>``, and merges each parameter's fragments in data-parallel order, then over TP. That
 order is wrong for the experts of an expert-parallel run: each EP rank's experts ([E_l, ...]) are sharded over its
 expert-data-parallel group, the data-parallel ranks d with d mod EP = its EP rank, in the order d div EP (DeepSpeed's
@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from common import deepspeed_internals as ds_internals
+from common import deepspeed_conversion
 from model.checkpoint_files import BLOCK_PREFIX
-from runconfig.optimizer import is_muon
 
 EXPERT_PARAMETER = re.compile(BLOCK_PREFIX + r"mlp\.block\.experts\.(gate_up|down)$")
 """The experts' parameters by their DeepSpeed names (pipeline layer index, then the module path: model/moe.py)."""
@@ -88,16 +87,13 @@ def convert(input_folder: str | Path, output_folder: str | Path, workers: int) -
     from model.checkpoint_files import model_states_file
 
     states = torch.load(model_states_file(Path(input_folder), 0), map_location="cpu", weights_only=True)
-    if is_muon(states["run_config"]):  # DeepSpeed's converter reads exp_avg and exp_avg_sq of every parameter
-        raise ValueError(f"{input_folder} was trained with Muon, whose matrices hold one momentum, not Adam's two "
-                         f"moments: it resumes at its own TP x PP x DP only (docs/muon.md); reshaping it is not built")
     model = model_config_from_dict(dict(states["run_config"]["model"]))
     num_experts = model.moe.num_experts if model.moe is not None else 0
 
     def merge_own(temp_dir: str, zero_dir: str, slice_shapes: dict[str, list], dp: int, tp: int) -> set[str]:
         return merge_experts(num_experts, temp_dir, zero_dir, slice_shapes, dp, tp) if num_experts else set()
 
-    ds_internals.convert_to_universal(str(input_folder), str(output_folder), workers, merge_own)
+    deepspeed_conversion.convert_to_universal(str(input_folder), str(output_folder), workers, merge_own)
 
 
 def main(argv: list[str] | None = None) -> None:
