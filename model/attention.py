@@ -177,6 +177,7 @@ class CausalAttention(nn.Module):
         self.kv_cache: AttentionCache | None = None  # set for inference by kv_caches()
         self.layer_number = layer_number
         self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
+        self.step_logits: torch.Tensor | None = None  # each head's, of the training forwards: MuonClip's (QKClip)
 
     def new_cache(self) -> AttentionCache:
         """An empty cache of what this attention needs of past tokens (AttentionCache's table)."""
@@ -198,11 +199,15 @@ class CausalAttention(nn.Module):
         made here from the (b, s) ids, so recomputation stores those, not the (b, s, s) mask)."""
         dropout = self.dropout if self.training else 0.0
         queries, keys = q.shape[-2], k.shape[-2]
-        if self.max_logit is not None:  # the fused kernel never forms the scores: form them for the probe only
-            largest = largest_logit(q, k, segment_ids)  # of q.k / sqrt(d): the logits over a positive constant
+        training_step = self.step_logits is not None and torch.is_grad_enabled()  # a recomputation repeats it
+        if self.max_logit is not None or training_step:  # the fused kernel never forms the scores: form them here
+            largest = head_logits(q, k, segment_ids)  # (nh/R,) of q.k / sqrt(d): the logits over a positive constant
             if self.softmax_scale is not None:
                 largest = largest * (self.softmax_scale * q.shape[-1] ** 0.5)
-            self.max_logit = torch.maximum(self.max_logit, largest)
+            if self.max_logit is not None:
+                self.max_logit = torch.maximum(self.max_logit, largest)
+            if training_step:
+                self.step_logits = torch.maximum(self.step_logits, largest)
         kernel = None if segment_ids is None else document_kernel(self.backend, q.device, dropout)
         grouped = self.queries_per_group > 1
         if kernel == "flex":
@@ -329,9 +334,15 @@ whole one (under 4 it sums in another order), so the maximum is bitwise the unch
 
 def largest_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
                   max_scores: int = 2**26) -> torch.Tensor:
-    """The largest attention logit q.k / sqrt(d) over the pairs attention computes (query i, key j <= i; with
-    ``segment_ids``, of the same document too), fp32, on the device: q (b, nh/R, s, d), k (b, g/R, s, d) with nh/g
-    query heads per key head (training only: no cache).
+    """The largest of ``head_logits``: one fp32 device scalar."""
+    return head_logits(q, k, segment_ids, max_scores).amax()
+
+
+def head_logits(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                max_scores: int = 2**26) -> torch.Tensor:
+    """Each query head's largest attention logit q.k / sqrt(d) over the pairs attention computes (query i, key
+    j <= i; with ``segment_ids``, of the same document too), fp32, on the device, (nh/R,): q (b, nh/R, s, d),
+    k (b, g/R, s, d) with nh/g query heads per key head (training only: no cache).
 
     The scores are formed a chunk at a time, whole heads while they fit, else query rows of one head (at least
     PROBE_MIN_ROWS): a chunk's fp32 scores, their mask and its fp32 keys and queries hold at most ``max_scores`` x 4
@@ -344,20 +355,24 @@ def largest_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | 
     keys = batch * length * dim * 4  # one head's fp32 keys
     head_chunk = max(1, min(heads, budget // (length * per_row + keys)))
     row_chunk = length if head_chunk > 1 else min(length, max(PROBE_MIN_ROWS, (budget - keys) // per_row))
-    largest = torch.full((), float("-inf"), device=q.device)
+    largest = torch.full((heads,), float("-inf"), device=q.device)
     for start in range(0, heads, head_chunk):
-        head_ids = torch.arange(start, min(start + head_chunk, heads), device=q.device)
+        heads_of_chunk = slice(start, min(start + head_chunk, heads))
+        head_ids = torch.arange(heads_of_chunk.start, heads_of_chunk.stop, device=q.device)
         keys_t = k[:, head_ids // queries_per_group].float().transpose(-1, -2)  # (b, chunk, d, s): j // (nh/g)
         for first in range(0, length, row_chunk):
             rows = slice(first, min(first + row_chunk, length))
-            largest = torch.maximum(largest, _chunk_max(q[:, head_ids, rows], keys_t, rows, segment_ids))
+            largest[heads_of_chunk] = torch.maximum(largest[heads_of_chunk],
+                                                    _chunk_max(q[:, head_ids, rows], keys_t, rows, segment_ids))
     return largest
 
 
 def _chunk_max(q: torch.Tensor, keys_t: torch.Tensor, rows: slice, segment_ids: torch.Tensor | None) -> torch.Tensor:
-    """The largest attended logit of one chunk (its scores die on return, before the next chunk's are made)."""
+    """Each head's largest attended logit in one chunk, (chunk,) (the scores die on return, before the next chunk's
+    are made)."""
     scores = (q.float() @ keys_t).div_(q.shape[-1] ** 0.5)  # (b, chunk, rows, s) fp32
-    return scores.masked_fill_(_unattended(rows, keys_t.shape[-1], segment_ids, q.device), float("-inf")).amax()
+    unattended = _unattended(rows, keys_t.shape[-1], segment_ids, q.device)
+    return scores.masked_fill_(unattended, float("-inf")).amax(dim=(0, 2, 3))
 
 
 def _unattended(rows: slice, length: int, segment_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -383,7 +398,7 @@ def attention_logit_probe(module: nn.Module) -> Iterator[dict[int, torch.Tensor]
         yield found
     finally:
         for attention in attentions:
-            found[attention.layer_number] = attention.max_logit
+            found[attention.layer_number] = attention.max_logit.amax()
             attention.max_logit = None
 
 

@@ -13,8 +13,9 @@
     adjust_lr      Muon                                "match_rms_adamw" adjust_lr_fn ("original": Keller Jordan's)
     betas, eps     AdamW (embeddings, head, norms,     [0.9, 0.999],     betas, eps
                    biases, routers)                    1e-8
-    qk_clip        MuonClip's threshold tau: refused   null (off)        (Kimi-K2; not in torch)
-                   until it is built (docs/muon.md)
+    qk_clip        MuonClip's threshold tau on each    null (off)        (Kimi-K2; not in torch)
+                   head's largest attention logit
+                   (training/muon.py QKClip)
     torch_adam     ignored (the AdamW groups are torch's functional AdamW already)
 
 Muon's Newton-Schulz coefficients (3.4445, -4.775, 2.0315) and its eps 1e-7 are torch's, fixed. The optimizer itself
@@ -52,8 +53,8 @@ class MuonConfig:
     eps: float = 1e-8
     """AdamW's eps."""
     qk_clip: float | None = None
-    """MuonClip's threshold tau on the largest pre-softmax attention logit of each head; null: off. Not built yet:
-    any other value is refused."""
+    """MuonClip's threshold tau on the largest pre-softmax attention logit of each head; null: off. Refused where
+    a head's logits cannot be scaled through its query and key rows (``check_qk_clip``)."""
 
     def __post_init__(self) -> None:
         if self.adjust_lr not in ADJUST_LR:
@@ -66,9 +67,9 @@ class MuonConfig:
             raise ValueError(f"optimizer.params.lr ({self.lr}) and weight_decay ({self.weight_decay}) must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"optimizer.params.betas {list(self.betas)} must be two numbers in [0, 1)")
-        if self.qk_clip is not None:
-            raise ValueError(f"optimizer.params.qk_clip {self.qk_clip}: MuonClip is not built yet (docs/muon.md); "
-                             f"remove the field")
+        if self.qk_clip is not None and not (isinstance(self.qk_clip, (int, float)) and self.qk_clip > 0):
+            raise ValueError(f"optimizer.params.qk_clip {self.qk_clip!r} must be a logit threshold > 0 (Kimi-K2: 100), "
+                             f"or null for no clipping")
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> MuonConfig:
@@ -98,3 +99,21 @@ def muon_config(deepspeed: dict[str, Any]) -> MuonConfig | None:
     if unknown:
         raise ValueError(f"optimizer: unknown key(s) {unknown} beside \"type\" and \"params\"")
     return MuonConfig.from_params(block.get("params", {}))
+
+
+def check_qk_clip(options: MuonConfig | None, model: Any, context_parallel_size: int) -> None:
+    """MuonClip scales a head's logits through its query and key rows, from the maxima its attention reports:
+    refused, naming the field, where that does not hold."""
+    if options is None or options.qk_clip is None:
+        return
+    field = f"optimizer.params.qk_clip {options.qk_clip}"
+    if model.attention_type == "mla":
+        raise ValueError(f"{field}: MuonClip on multi-head latent attention (its rope key shared by the heads) is not "
+                         f"built; remove the field or use attention_type \"mha\" / \"gqa\"")
+    if model.qk_layernorm:
+        raise ValueError(f"{field}: model.qk_layernorm normalises the queries and keys after their projections, so "
+                         f"scaling the projections' rows cannot clip the logits; remove one of the two")
+    if context_parallel_size > 1:
+        raise ValueError(f"{field}: under context parallelism (Ulysses) each rank's attention holds other heads than "
+                         f"its query and key rows; MuonClip is not built there (parallelism.context_parallel_size "
+                         f"{context_parallel_size})")

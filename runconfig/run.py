@@ -36,7 +36,7 @@ from model.config import (
 )
 from runconfig.blocks import DataConfig, ScheduleConfig, TrainingConfig
 from runconfig.fields import apply_overrides, build_block, check_field_types
-from runconfig.optimizer import muon_config
+from runconfig.optimizer import check_qk_clip, muon_config
 from runconfig.schedules import BatchRamp, LearningRateSchedule, NoiseScaleBatchSchedule
 
 PROJECT_BLOCKS = ("model", "parallelism", "schedule", "data", "training")
@@ -229,7 +229,8 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>", *, check_layou
     config.noise_scale_schedule(data_parallel_size=1)  # bounds, factor, interval; the DP multiple in check_world
     _check_precision(config)
     _check_dpo(config)
-    muon_config(config.deepspeed)  # Muon's fields, each checked by name (runconfig/optimizer.py)
+    # Muon's fields, each checked by name; MuonClip against the model (runconfig/optimizer.py)
+    check_qk_clip(muon_config(config.deepspeed), config.model, config.parallelism.context_parallel_size)
     return config
 
 

@@ -19,6 +19,8 @@ training/muon.py orthogonalises in fp32 for the same reason, also in bf16 runs.
   losses are 6.0e-4 off). A
   Mixtral shape (4 experts, top 2, no aux loss) at EP 2 trains 5 steps equal to the reference, each expert's gate, up
   and down orthogonalised apart.
+- The same launch, MuonClip (optimizer.qk_clip; tests/test_muon_clip.py checks it): 5 clipped steps against the
+  reference with the clip, and steps at lr 0 and lr 1.0 watched by the stability monitor, clipped and not.
 - 4 gloo processes: bf16 (BF16_Optimizer's partitions, fp32 Newton-Schulz) near fp32.
 
 Shown once, not in the suite (docs/muon.md): Newton-Schulz on each TP shard alone, as DeepSpeed's Muon runs it, is
@@ -49,6 +51,9 @@ FIELDS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value
 MUON_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MOE = {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 32, "aux_loss_coeff": 0.0}  # Mixtral; CE alone
 MOE_STEPS = 5
+TAU, CLIP_STEPS, WILD_STEPS = 1.15, 5, 8
+"""MuonClip's threshold, amid the heads' first largest logits (1.07 to 1.36); the parity run's steps; the steps
+at lr 1.0 the stability monitor watches, clipped and not."""
 
 
 def model_config(moe: bool = False):
@@ -77,11 +82,11 @@ def micro_batches(step: int, data_parallel_rank: int, data_parallel_size: int):
         yield (tokens[row:row + 1, :-1], positions), (tokens[row:row + 1, 1:], mask[row:row + 1])
 
 
-def deepspeed_config(adjust_lr: str) -> dict:
+def deepspeed_config(adjust_lr: str, qk_clip: float | None = None) -> dict:
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP,
             "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
             "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS),
-                                                     "eps": EPS, "adjust_lr": adjust_lr}}}
+                                                     "eps": EPS, "adjust_lr": adjust_lr, "qk_clip": qk_clip}}}
 
 
 def fp32_torch_muon():
@@ -120,8 +125,8 @@ def test_muon_fields_are_checked_by_name():
         MuonConfig.from_params({"amsgrad": True})
     with pytest.raises(ValueError, match="optimizer.params.adjust_lr 'spectral'"):
         MuonConfig.from_params({"adjust_lr": "spectral"})
-    with pytest.raises(ValueError, match="optimizer.params.qk_clip 100.0: MuonClip is not built yet"):
-        MuonConfig.from_params({"qk_clip": 100.0})
+    with pytest.raises(ValueError, match="optimizer.params.qk_clip -1.0 must be a logit threshold > 0"):
+        MuonConfig.from_params({"qk_clip": -1.0})
     with pytest.raises(ValueError, match=r"optimizer: unknown key\(s\) \['scheduler'\]"):
         muon_config({"optimizer": {"type": "muon", "params": {}, "scheduler": {}}})
 
@@ -169,11 +174,15 @@ def gpt_as_hf(model, moe: bool = False) -> dict[str, torch.Tensor]:
     return state
 
 
-def train_reference(initial: dict[str, torch.Tensor], adjust_lr: str, steps: int = STEPS, moe: bool = False) -> dict:
+def train_reference(initial: dict[str, torch.Tensor], adjust_lr: str, steps: int = STEPS, moe: bool = False,
+                    qk_clip: float | None = None) -> dict:
     """torch.optim.Muon (fp32 Newton-Schulz) on the HF block matrices, torch.optim.AdamW on the rest, one process.
     transformers keeps a layer's experts in two 3-D tensors, which torch.optim.Muon does not take: each expert's
-    gate, up and down (views of them) go through torch's functional Muon, the code torch.optim.Muon.step runs."""
+    gate, up and down (views of them) go through torch's functional Muon, the code torch.optim.Muon.step runs.
+    ``qk_clip``: MuonClip after each step (``clip_reference``), from the maxima of the step's forwards."""
     import torch.optim._muon as muon_module
+
+    from tests.test_muon_clip import clip_reference, head_maxima
 
     model = hf_model(initial, moe)
     named = dict(model.named_parameters())
@@ -187,9 +196,10 @@ def train_reference(initial: dict[str, torch.Tensor], adjust_lr: str, steps: int
                   torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                      {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS)]
     buffers = {id(p): torch.zeros_like(p) for p in experts}
-    losses, norms = [], []
+    losses, norms, step_maxima = [], [], []
     for step in range(steps):
         model.zero_grad()
+        maxima, handles = head_maxima(model) if qk_clip is not None else ([], [])
         terms = []
         for (tokens, positions), (labels, mask) in micro_batches(step, 0, 1):
             logits = model(input_ids=tokens, position_ids=positions).logits
@@ -212,8 +222,14 @@ def train_reference(initial: dict[str, torch.Tensor], adjust_lr: str, steps: int
                 muon_module.muon(weights, grads, momenta, lr=lr_at(step), weight_decay=WEIGHT_DECAY, momentum=0.95,
                                  nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                                  adjust_lr_fn=adjust_lr, has_complex=False)
+        if qk_clip is not None:
+            clip_reference(model, maxima, qk_clip)
+            step_maxima.append(torch.stack(maxima))
+            for handle in handles:
+                handle.remove()
         losses.append(total.item())
-    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "maxima": step_maxima}
 
 
 @pytest.fixture
@@ -284,7 +300,8 @@ def _train(directory: str, per_shard: bool = False) -> list[dict]:
 
     def run(engine, ctx, save: Path | None, steps: range, run_config: dict = run_config) -> dict:
         """``steps``; with ``save``, checkpoints after step SAVED_AFTER (first mode) and after the last."""
-        losses, norms = [], []
+        losses, norms, maxima = [], [], []
+        clip = engine.optimizer.optimizer.clip
         for step in steps:
             if step == SAVED_AFTER and save is not None and save.name == MODES[0]:
                 save_checkpoint(engine, save / "middle", step, client_state={
@@ -294,11 +311,14 @@ def _train(directory: str, per_shard: bool = False) -> list[dict]:
             data = micro_batches(step, ctx.data_parallel_rank, ctx.data_parallel_size)
             losses.append(engine.train_batch(data_iter=data).item())
             norms.append(float(engine.get_global_grad_norm()))
+            if clip is not None:  # this rank's heads of its stage's block, reduced over DP, before clipping
+                maxima.append(clip.largest.clone())
         if save is not None:
             save_checkpoint(engine, save / "final", steps[-1] + 1, client_state={"run_config": run_config})
         weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])  # this rank's, in order
         return {"losses": losses, "norms": norms, "groups": [g["name"] for g in engine.optimizer.param_groups],
-                "weights": weights}
+                "weights": weights, "maxima": maxima, "stage": ctx.pipeline_parallel_rank,
+                "tp": ctx.tensor_parallel_rank}
 
     results = []
     for mode in MODES:
@@ -326,6 +346,18 @@ def _train(directory: str, per_shard: bool = False) -> list[dict]:
                                                              "2.attention.qkv.weight").iterdir())
     del engine
     dist.barrier()
+    # MuonClip: CLIP_STEPS of the schedule, every head above TAU clipped; then lr 0 and lr 1.0, clipped and not,
+    # watched by the stability monitor
+    engine, ctx = build_engine(config, parallel, deepspeed_config(MODES[0], TAU), SEED)
+    results.append(run(engine, ctx, Path(directory) / "clipped", range(CLIP_STEPS)))
+    del engine
+    dist.barrier()
+    from tests.test_muon_clip import watched
+    for tau in (TAU, None):
+        engine, ctx = build_engine(config, parallel, deepspeed_config(MODES[0], tau), SEED)
+        results.append(watched(engine, ctx, config.num_layers, [0.0] + [1.0] * WILD_STEPS))
+        del engine
+        dist.barrier()
     # experts: 4 per layer, 2 on each EP rank, each TP-sharded; the first adjust_lr mode, MOE_STEPS steps
     moe_run = {"model": {**run_config["model"], "moe": MOE}, "parallelism": run_config["parallelism"]}
     engine, ctx = build_engine(model_config(moe=True), ParallelConfig(
@@ -398,6 +430,9 @@ def test_tp_pp_dp_sequence_parallel_equals_torch_muon(tmp_path, fp32_reference):
     print(f"reshaped TP 2 -> TP 1 at step {SAVED_AFTER}: largest weight difference after step {STEPS} {worst:.2e}")
     for name, value in reshaped.items():
         torch.testing.assert_close(value, final[name], rtol=TOLERANCE, atol=TOLERANCE, msg=f"reshaped {name}")
+    from tests.test_muon_clip import check_clipping
+
+    check_clipping(ranks, tmp_path)
     initial = initial_weights(moe=True)
     expected = train_reference(initial, MODES[0], MOE_STEPS, moe=True)
     for rank in ranks:

@@ -17,10 +17,10 @@ from model.parallel import ParallelContext, build_parallel_context, init_distrib
 from model.pipe_schedules import schedule_for, train_schedule
 from model.random import default_stream_seed
 from runconfig.dpo import DPOConfig
-from runconfig.optimizer import muon_config
+from runconfig.optimizer import check_qk_clip, muon_config
 from training.compile import compile_blocks
 from training.dpo import DPOLoss
-from training.muon import bind_partitions, build_muon
+from training.muon import QKClip, bind_partitions, build_muon
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -105,6 +105,10 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         param_groups = optimizer.param_groups
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config)
         bind_partitions(optimizer, engine.optimizer)
+        check_qk_clip(muon, model_config, context.context_parallel_size)
+        if muon.qk_clip is not None:  # MuonClip: the step's per-head maxima, reduced over DP before the update
+            optimizer.clip = QKClip(muon.qk_clip, engine.module, engine.grid.get_data_parallel_group())
+            ds_internals.run_before_instruction(engine, "OptimizerStep", optimizer.clip.before_step)
     else:
         weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
         param_groups = weight_decay_groups(module, weight_decay)

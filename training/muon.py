@@ -156,12 +156,12 @@ class TensorParallelMuon(torch.optim.Optimizer):
         self.tensors = {id(param): tensor for param, tensor in tensors.items()}
         self.model_config, self.context = model_config, context
         self.partitions: dict[str, FlatPartition] = {}
+        self.clip: QKClip | None = None  # MuonClip (optimizer.qk_clip): its rows' factors, applied after the update
 
     def bind(self, partitions: dict[str, FlatPartition]) -> None:
-        """The flat partitions DeepSpeed's optimizer made of each Muon group (by group name): from now on the groups
-        hold those, not the parameters."""
-        self.partitions = {name: partition for name, partition in partitions.items()
-                           if any(group["name"] == name and group["muon"] for group in self.param_groups)}
+        """The flat partitions DeepSpeed's optimizer made of each group (by group name): from now on the groups hold
+        those, not the parameters."""
+        self.partitions = dict(partitions)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -171,6 +171,26 @@ class TensorParallelMuon(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+            if self.clip is not None and self.clip.factors:
+                self._clip_rows(group)
+
+    def _clip_rows(self, group: dict[str, Any]) -> None:
+        """MuonClip's row factors on what this rank updates of the group: the parameters, or its flat partition."""
+        factors = self.clip.factors
+        partition = self.partitions.get(group["name"])
+        if partition is None:
+            for param in group["params"]:
+                if id(param) in factors:
+                    param.mul_(factors[id(param)].view(-1, *[1] * (param.ndim - 1)))
+            return
+        (flat,) = group["params"]
+        start = partition.rank * partition.size
+        for param, offset in zip(partition.params, partition.offsets, strict=True):
+            low, high = max(offset, start), min(offset + param.numel(), start + partition.size)
+            if id(param) not in factors or low >= high:
+                continue
+            per_element = factors[id(param)].repeat_interleave(param.numel() // param.shape[0])
+            flat[low - start:high - start].mul_(per_element[low - offset:high - offset])
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         """torch.optim.AdamW's single-tensor update (its functional form), on whatever the group holds."""
@@ -243,6 +263,61 @@ class TensorParallelMuon(torch.optim.Optimizer):
             adjusted_lr(group["lr"], group["adjust_lr"], matrix.shape)) for matrix in matrices)
         value = scaled[0] if torch.is_tensor(merged) else scaled
         return split_from_hf(tensor, value, self.model_config, ctx.tensor_parallel_size)[ctx.tensor_parallel_rank]
+
+
+def qk_row_factors(gamma: torch.Tensor, groups: int, queries_per_group: int, head_dim: int) -> torch.Tensor:
+    """Per row of a fused qkv shard ([g, q + 2, d] rows: a group's q query heads, its key head, its value head), the
+    factor that scales query head j's logits by ``gamma[j]`` exactly: the group's key rows by sqrt(min gamma), each
+    query head's by gamma_j / that, the value rows by 1. One query head per group (MHA): sqrt(gamma) on both, Kimi-K2's
+    rule."""
+    gamma = gamma.view(groups, queries_per_group)
+    key = gamma.amin(dim=1, keepdim=True).sqrt()  # (g, 1)
+    per_head = torch.cat([gamma / key, key, torch.ones_like(key)], dim=1)  # (g, q + 2)
+    return per_head.repeat_interleave(head_dim, dim=1).reshape(-1)  # (g (q + 2) d,)
+
+
+class QKClip:
+    """MuonClip (Kimi-K2): after each optimizer step, every attention head whose largest pre-softmax logit in the
+    step's forwards passed tau has its logits scaled by gamma = tau / max, through its query and key rows
+    (``qk_row_factors``).
+
+    Each SelfAttention keeps its heads' maxima through the step's training forwards (model/attention.py
+    ``step_logits``, the scores formed a chunk at a time beside the fused kernel); ``before_step``, run just before
+    DeepSpeed's OptimizerStep, all-reduces them (MAX, one vector per stage) over the data-parallel group, turns them
+    into row factors and starts the next step's record. The optimizer multiplies its fp32 masters' rows by them
+    right after its update (the weight in the Muon group, a qkv bias in AdamW's), so ZeRO's gather hands the model the
+    clipped weights."""
+
+    def __init__(self, tau: float, module: nn.Module, data_parallel_group: Any = None) -> None:
+        from model.attention import SelfAttention
+
+        self.tau, self.group = tau, data_parallel_group
+        self.attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+        self.factors: dict[int, torch.Tensor] = {}
+        """id(parameter) -> its rows' factors, for the coming update."""
+        self.largest: torch.Tensor | None = None
+        """The last step's per-head maxima (this stage's heads, reduced over DP), before clipping: on the device."""
+        self._start_record()
+
+    def _start_record(self) -> None:
+        for attention in self.attentions:
+            attention.step_logits = torch.full((), float("-inf"), device=attention.qkv.weight.device)
+
+    def before_step(self) -> None:
+        """Collective over the data-parallel group of this stage."""
+        if not self.attentions:
+            return
+        maxima = torch.cat([a.step_logits.float().expand(a.heads) for a in self.attentions])
+        if self.group is not None and dist.get_world_size(group=self.group) > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
+        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
+        self.largest, self.factors = maxima, {}
+        for attention, heads in zip(self.attentions, gamma.split([a.heads for a in self.attentions]), strict=True):
+            rows = qk_row_factors(heads, attention.groups, attention.queries_per_group, attention.head_dim)
+            for param in (attention.qkv.weight, attention.qkv.bias):
+                if param is not None:
+                    self.factors[id(param)] = rows
+        self._start_record()
 
 
 def as_pipeline_layers(model: nn.Module) -> nn.Module:
