@@ -18,6 +18,26 @@ from tests.launch import preprocess_corpus, run_training
 RECIPE = Path(__file__).resolve().parents[1] / "ds_configs" / "530b.json"
 
 
+SUITE_DISK_GIB = 12
+"""Free space the whole suite needs where pytest keeps its temporary folders: measured 8.8 GB at the peak of a full
+run (checkpoints of the session's reference runs and of each test alive at once), with room to spare."""
+
+
+def pytest_sessionstart(session) -> None:
+    """A full disk fails hundreds of tests at once with errors that do not say so: say it first."""
+    import shutil
+    import tempfile
+
+    if len(session.config.args) > 1 or not any(Path(arg).name == "tests" for arg in session.config.args):
+        return  # a few tests chosen by hand need far less
+    folder = Path(session.config.option.basetemp or tempfile.gettempdir())
+    free = shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**30
+    if free < SUITE_DISK_GIB:
+        pytest.exit(f"{folder} has {free:.1f} GiB free; the whole suite writes up to about 9 GiB of checkpoints there "
+                    f"(tests/conftest.py SUITE_DISK_GIB {SUITE_DISK_GIB}): free some space (old pytest-of-* folders), "
+                    f"or point pytest elsewhere with --basetemp=DIR", returncode=4)
+
+
 def pytest_collection_finish(session) -> None:
     """The modules every test imported live as long as the session: frozen out of the collector's sight, so that a
     test's gc.collect() (the memory measurements) walks what the tests made, not torch's and DeepSpeed's objects.
