@@ -57,6 +57,13 @@ class Hardware:
     """InfiniBand per GPU, Gb/s in each direction (DGX nodes: one HCA per GPU)."""
     gpus_per_node: int = 8
     """GPUs per node behind one NVLink/NVSwitch fabric."""
+    fp32_tflops: float = 0.0
+    """Dense fp32 peak on the CUDA cores, TFLOP/s (data sheet; not TF32): Muon's Newton-Schulz runs there
+    (planner/muon.py). 0: unknown, taken as peak_tflops x 67 / 989 (the H100's ratio)."""
+
+    @property
+    def fp32_peak_tflops(self) -> float:
+        return self.fp32_tflops or self.peak_tflops * 67.0 / 989.0
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_gib", "hbm_gbytes_per_s", "nvlink_gbytes_per_s", "ib_gbits_per_s",
@@ -68,20 +75,21 @@ class Hardware:
 GPU_PRESETS: dict[str, Hardware] = {
     # NVIDIA A100 data sheet (SXM 80GB): 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e, NVLink 3 600 GB/s;
     # DGX A100: 8 x 200 Gb/s HDR ConnectX-6, one per GPU (the MT-NLG cluster, Smith et al. 2022).
-    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, 2039.0, 600.0, 200.0),
+    # fp32 on the CUDA cores (no TF32): A100 19.5 TFLOP/s, H100 / H200 / H800 SXM 67 TFLOP/s (data sheets).
+    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, 2039.0, 600.0, 200.0, fp32_tflops=19.5),
     # A100 SXM 40GB: the same compute and links, 1555 GB/s HBM2.
-    "a100-40gb": Hardware("a100-40gb", 312.0, 40.0, 1555.0, 600.0, 200.0),
+    "a100-40gb": Hardware("a100-40gb", 312.0, 40.0, 1555.0, 600.0, 200.0, fp32_tflops=19.5),
     # H100 SXM data sheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s; DGX H100: 8 x 400 Gb/s NDR.
-    "h100-80gb": Hardware("h100-80gb", 989.0, 80.0, 3350.0, 900.0, 400.0),
+    "h100-80gb": Hardware("h100-80gb", 989.0, 80.0, 3350.0, 900.0, 400.0, fp32_tflops=67.0),
     # H200 SXM data sheet: H100 compute, 141 GB HBM3e at 4.8 TB/s; DGX H200 keeps NVLink 4 and 8 x 400 Gb/s NDR.
-    "h200": Hardware("h200", 989.0, 141.0, 4800.0, 900.0, 400.0),
+    "h200": Hardware("h200", 989.0, 141.0, 4800.0, 900.0, 400.0, fp32_tflops=67.0),
     # H800 SXM, the export version of the H100 SXM that trained DeepSeek-V3: H100's compute (989 TFLOP/s bf16 dense)
     # and memory (80 GB HBM3, 3.35 TB/s), NVLink cut to 400 GB/s (both directions; the data sheet's 400 is from
     # memory). Links as the DeepSeek-V3 report (arXiv:2412.19437, sections 3.1, 3.2.2; recalled) gives them: 8 GPUs per node
     # on NVLink and NVSwitch, nodes on InfiniBand at 50 GB/s per GPU (= 400 Gb/s, one NDR HCA per GPU, 8 per node),
     # where the report also says NVLink sustains 160 GB/s, roughly 3.2 times IB: 80% of 200 GB/s each way, what
     # comm_efficiency 0.8 assumes here too.
-    "h800": Hardware("h800", 989.0, 80.0, 3350.0, 400.0, 400.0),
+    "h800": Hardware("h800", 989.0, 80.0, 3350.0, 400.0, 400.0, fp32_tflops=67.0),
 }
 
 

@@ -88,6 +88,7 @@ from planner.experts import (
     splits_the_sequence,
 )
 from planner.hardware import DTYPE_BYTES, GIB, Assumptions, DeepSpeedLayout, Hardware
+from planner.muon import optimizer_states
 from planner.pipeline_schedule import activations_in_flight
 from runconfig.run import RunConfig
 
@@ -500,7 +501,7 @@ class StageMemory:
     master_weights: int
     """fp32, 1/DP (ZeRO-1; the experts 1/(DP/EP): planner.experts)."""
     adam_states: int
-    """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1; the experts 1/(DP/EP))."""
+    """exp_avg + exp_avg_sq, fp32, 1/DP (ZeRO-1; the experts 1/(DP/EP)); Muon's matrices: one momentum."""
     micro_batches_held: int
     """1F1B: min(p - stage, m). DualPipeV: of both stages together, where the rank's activations peak."""
     activations_per_micro_batch: int
@@ -519,6 +520,7 @@ class StageMemory:
     reduce_buffer: int
     framework_allowance: int
     capacity: int
+    optimizer_workspace: int = 0  # Muon's transient buffers at the step, the activations gone (planner/muon.py)
     reduce_buffer_in_backward: bool = False
     """DeepSpeed's ZeRO optimizer allocates its reduce bucket at the step's first backward and frees it after the
     reduction (DeepSpeedZeroOptimizer.setup_buckets), so it lives beside the activations, at any DP (measured:
@@ -534,10 +536,9 @@ class StageMemory:
     def __post_init__(self) -> None:
         static = (self.weights + self.gradients + self.gradient_accumulation + self.gradient_partition
                   + self.master_weights + self.adam_states + self.pipeline_buffers + self.framework_allowance)
-        if self.reduce_buffer_in_backward:
-            total = static + self.activations + self.reduce_buffer
-        else:
-            total = static + max(self.activations, self.reduce_buffer)
+        dynamic = self.activations + self.reduce_buffer if self.reduce_buffer_in_backward else \
+            max(self.activations, self.reduce_buffer)
+        total = static + max(dynamic, self.optimizer_workspace)
         object.__setattr__(self, "total", total)
         object.__setattr__(self, "margin", self.capacity - total)
         object.__setattr__(self, "fits", total <= self.capacity)
@@ -583,16 +584,16 @@ def stage_memory(config: RunConfig, layout: DeepSpeedLayout, count: StageCount, 
         totals = {mode: held * act.per_micro_batch + act.working_set for mode, act in by_mode.items()}
         per_micro_batch, working_set = by_mode[model.recompute].per_micro_batch, by_mode[model.recompute].working_set
         buffers = int(2 * received) if pp > 1 else 0
+    states, workspace = optimizer_states(config, count, n - experts, experts, d)  # Adam's two moments, Muon's one
     bf16_optimizer = layout.optimizer == "BF16_Optimizer"
-    reduce_buffer = (layout.communication_bytes * n if bf16_optimizer
-                     else layout.reduce_bucket_elements * layout.grad_bytes)
+    reduce_buffer = layout.communication_bytes * n if bf16_optimizer else layout.reduce_bucket_elements * layout.grad_bytes
     return StageMemory(
         stage=count.stage, parameters=n, weights=layout.weight_bytes * n, gradients=layout.grad_bytes * n,
         gradient_accumulation=layout.accumulation_bytes * n, gradient_partition=sharded(layout.partition_grad_bytes),
-        master_weights=sharded(4), adam_states=sharded(8), micro_batches_held=held,
+        master_weights=sharded(4), adam_states=states, micro_batches_held=held,
         activations_per_micro_batch=per_micro_batch, activations_working_set=working_set,
         activations=totals[model.recompute], activations_none=totals["none"],
         activations_selective=totals["selective"], activations_full=totals["full"],
         pipeline_buffers=buffers, reduce_buffer=reduce_buffer if d > 1 or not bf16_optimizer else 0,
         framework_allowance=int(assumptions.framework_gib * GIB), capacity=int(hardware.memory_gib * GIB),
-        reduce_buffer_in_backward=not bf16_optimizer)
+        optimizer_workspace=workspace, reduce_buffer_in_backward=not bf16_optimizer)

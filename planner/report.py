@@ -269,7 +269,7 @@ def _memory_columns(plan: Plan) -> list[StageMemory]:
 MEMORY_ROWS = (
     ("weights", "weights"), ("gradients (.grad)", "gradients"),
     ("fp32 gradient accumulation", "gradient_accumulation"), ("fp32 gradient partition", "gradient_partition"),
-    ("fp32 master weights / DP", "master_weights"), ("Adam m + v (fp32) / DP", "adam_states"),
+    ("fp32 master weights / DP", "master_weights"), ("Adam m + v (Muon's matrices: momentum) / DP", "adam_states"),
     ("activations per micro-batch", "activations_per_micro_batch"),
     ("activations working set (recompute, head)", "activations_working_set"),
     ("activations, all held + working set", "activations"),
@@ -277,6 +277,7 @@ MEMORY_ROWS = (
     ("  ..., if recompute selective", "activations_selective"),
     ("  ..., if recompute full", "activations_full"),
     ("pipeline p2p buffers", "pipeline_buffers"), ("DP reduce buffer", "reduce_buffer"),
+    ("Muon's step buffers (after the activations)", "optimizer_workspace"),
     ("framework allowance", "framework_allowance"), ("peak", "total"), ("margin", "margin"),
 )
 

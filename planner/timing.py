@@ -87,7 +87,9 @@ from planner.memory import (
     recomputing_blocks,
     transformer_layers,
 )
+from planner.muon import muon_stage
 from planner.pipeline_schedule import pipeline_bubble
+from runconfig.optimizer import muon_config
 from runconfig.run import RunConfig
 
 
@@ -117,6 +119,8 @@ class Rates:
     """The MoE all-to-all's: NVLink, InfiniBand if an EP group spans nodes (planner.experts)."""
     context_parallel_bytes_per_s: float = 0.0
     """Ulysses' all-to-alls: NVLink if a CP group fits in a node (TP x CP <= GPUs per node: CP peers are TP apart)."""
+    fp32_flops_per_s: float = 0.0
+    """fp32 matmuls on the CUDA cores (Muon's Newton-Schulz: planner/muon.py)."""
 
 
 def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_parallel_size: int,
@@ -137,7 +141,8 @@ def sustained_rates(hardware: Hardware, assumptions: Assumptions, tensor_paralle
                  hbm_bytes_per_s=hardware.hbm_gbytes_per_s * 1e9 * assumptions.hbm_efficiency,
                  expert_parallel_bytes_per_s=infiniband if expert_group_spans_nodes(
                      tp, pipeline_parallel_size, dp, expert_parallel_size, node) else nvlink,
-                 context_parallel_bytes_per_s=link(tp * context_parallel_size))
+                 context_parallel_bytes_per_s=link(tp * context_parallel_size),
+                 fp32_flops_per_s=hardware.fp32_peak_tflops * 1e12 * assumptions.matmul_efficiency)
 
 
 def stage_flops_per_micro_batch(model: ModelConfig, count: StageCount, micro_batch: int, tensor_parallel_size: int,
@@ -278,6 +283,7 @@ class IterationTime:
     tied_embedding_reduce: float
     data_parallel_reduce: float
     optimizer_step: float
+    """Adam's HBM traffic; with Muon its Newton-Schulz and the update's gathers too (planner/muon.py)."""
     zero_allgather: float
     sequence_parallel_reduce: float
     seconds: float
@@ -305,6 +311,7 @@ class AfterPipeline:
     tied_embedding_reduce: float
     data_parallel_reduce: float
     optimizer_step: float
+    """Adam's HBM traffic; with Muon its Newton-Schulz and the update's gathers too (planner/muon.py)."""
     zero_allgather: float
     sequence_parallel_reduce: float
     """With SP: the TP all-reduce of the replicated parameters' partial gradients (norms, row-parallel biases, the
@@ -356,13 +363,23 @@ def after_pipeline_time(config: RunConfig, layout: DeepSpeedLayout, first: Stage
                   + ring_all_gather_seconds(expert_gradients, edp, rates.data_parallel_bytes_per_s))
         full_buffer_passes = layout.grad_bytes * n  # zero the .grad
     adam = (28 + layout.weight_bytes) * dense / d + (28 + layout.weight_bytes) * experts / edp
+    muon = muon_config(config.deepspeed)
+    muon_seconds = 0.0
+    if muon is not None:  # planner/muon.py: Newton-Schulz in fp32, the update's gathers over DP and TP
+        step = muon_stage(model, first, tp, config.parallelism.expert_parallel_size, muon.ns_steps)
+        adam -= 8 * (step.dense_parameters / d + step.expert_parameters / edp)  # one state to read and write
+        gathered = 4 * (step.dense_parameters / d + step.expert_parameters / edp) * tp
+        muon_seconds = (step.flops_per_rank(d, edp) / rates.fp32_flops_per_s
+                        + ring_all_gather_seconds(4 * step.dense_parameters, d, rates.data_parallel_bytes_per_s)
+                        + ring_all_gather_seconds(4 * step.expert_parameters, edp, rates.data_parallel_bytes_per_s)
+                        + ring_all_gather_seconds(gathered, tp, rates.tensor_parallel_bytes_per_s))
     # the tied embedding's two ends live on the first and the last stage (model.mtp's depths embed tokens there
     # too, tied or not); under DualPipeV both on rank 0
     tied_ranks = 2 if pp > 1 and (model.tie_word_embeddings or model.mtp) and not first.phases else 1
     return AfterPipeline(
         tied_embedding_reduce=ring_all_reduce_seconds(tied_grad_bytes, tied_ranks, rates.pipeline_bytes_per_s),
         data_parallel_reduce=reduce,
-        optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s,
+        optimizer_step=(adam + full_buffer_passes) / rates.hbm_bytes_per_s + muon_seconds,
         zero_allgather=(ring_all_gather_seconds(layout.weight_bytes * dense, d, rates.data_parallel_bytes_per_s)
                         + ring_all_gather_seconds(layout.weight_bytes * experts, edp,
                                                   rates.data_parallel_bytes_per_s)),

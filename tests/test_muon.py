@@ -316,9 +316,12 @@ def _train(directory: str, per_shard: bool = False) -> list[dict]:
         if save is not None:
             save_checkpoint(engine, save / "final", steps[-1] + 1, client_state={"run_config": run_config})
         weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])  # this rank's, in order
+        ours = engine.optimizer.optimizer
+        momentum = sum(state["momentum_buffer"].numel() for state in ours.state.values() if "momentum_buffer" in state)
         return {"losses": losses, "norms": norms, "groups": [g["name"] for g in engine.optimizer.param_groups],
                 "weights": weights, "maxima": maxima, "stage": ctx.pipeline_parallel_rank,
-                "tp": ctx.tensor_parallel_rank}
+                "tp": ctx.tensor_parallel_rank, "momentum": momentum,
+                "flops_per_step": ours.newton_schulz_flops / len(steps)}
 
     results = []
     for mode in MODES:
@@ -414,6 +417,7 @@ def test_tp_pp_dp_sequence_parallel_equals_torch_muon(tmp_path, fp32_reference):
                                        msg=f"{mode} {name}")
         moved = final["model.layers.1.self_attn.q_proj.weight"] - initial["model.layers.1.self_attn.q_proj.weight"]
         assert moved.abs().max() > 1e-3  # the matrices did move: the comparison is of Muon's steps
+    _check_planner(ranks)
     for rank in ranks:  # bitwise: the momentum, the AdamW moments and the fp32 partitions came back
         resumed_run = rank[len(MODES)]
         assert resumed_run["losses"] == rank[0]["losses"][SAVED_AFTER:]
@@ -445,6 +449,25 @@ def test_tp_pp_dp_sequence_parallel_equals_torch_muon(tmp_path, fp32_reference):
           f"{worst:.2e}")
     for name, value in final.items():
         torch.testing.assert_close(value, expected["weights"][name], rtol=TOLERANCE, atol=TOLERANCE, msg=f"MoE {name}")
+
+
+def _check_planner(ranks: list) -> None:
+    """planner/muon.py against the optimizer it prices: each rank's momentum (ZeRO pads a partition to a multiple of
+    its alignment) and the Newton-Schulz FLOPs the DP ranks of a stage's TP rank ran per step (a matrix cut by a
+    partition boundary is orthogonalised on both sides of it)."""
+    from model.summary import count_stages
+    from planner.muon import MOMENTUM_BYTES, muon_stage
+
+    counts = count_stages(model_config(), 2, 2)
+    for rank in ranks:
+        planned = muon_stage(model_config(), counts[rank[0]["stage"]], 2)
+        momentum = planned.states_bytes(2, 2) // MOMENTUM_BYTES
+        assert momentum <= rank[0]["momentum"] < momentum + 64, (momentum, rank[0]["momentum"])
+    for stage in range(2):
+        planned = muon_stage(model_config(), counts[stage], 2).dense_flops
+        ran = sum(rank[0]["flops_per_step"] for rank in ranks if (rank[0]["stage"], rank[0]["tp"]) == (stage, 0))
+        print(f"stage {stage}: Newton-Schulz per step planned {planned:.4g} FLOPs, run {ran:.4g} (its 2 DP ranks)")
+        assert planned <= ran < 1.5 * planned
 
 
 def _bf16_against_fp32(directory: str) -> dict:

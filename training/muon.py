@@ -45,15 +45,12 @@ from torch.optim.adam import adam as functional_adam
 
 from common import deepspeed_internals as ds_internals
 from common.device import HOST
-from hf.tables import TensorMap, layer_maps, resolve_architecture
+from hf.muon_matrices import NOT_MUON, muon_parameters, newton_schulz_flops  # noqa: F401 - the rule, used here
+from hf.tables import TensorMap
 from hf.transforms import merge_to_hf, split_from_hf
 from model.config import ModelConfig
 from model.parallel import ParallelContext
 from runconfig.optimizer import NS_COEFFICIENTS, NS_EPS, MuonConfig
-
-NOT_MUON = ("mlp.block.router.weight", "mlp.block.shared_expert.gate")
-"""2-D block tensors that are not weight matrices of a linear map between hidden features: routers and the
-shared-expert gate go to AdamW (Moonlight; torch's docs)."""
 
 
 def newton_schulz(matrix: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
@@ -80,13 +77,6 @@ def adjusted_lr(lr: float, adjust_lr: str, shape: torch.Size) -> float:
     if adjust_lr == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, columns))
     return lr * math.sqrt(max(1, rows / columns))
-
-
-def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
-    """Multiply-adds x 2 of ``newton_schulz`` on an [rows, columns] matrix: per step X X^T (s^2 l), A A (s^3) and
-    B X (s^2 l), with s the short side and l the long one."""
-    short, long = min(rows, columns), max(rows, columns)
-    return 2 * steps * (2 * short * short * long + short ** 3)
 
 
 @dataclass(frozen=True)
@@ -124,24 +114,6 @@ def muon_param_groups(module: nn.Module, tensors: dict[nn.Parameter, TensorMap],
     return [group for group in groups if group["params"]]
 
 
-def muon_parameters(module: nn.Module, config: ModelConfig) -> dict[nn.Parameter, TensorMap]:
-    """The stage's block matrices with their HF tensor maps (hf/tables.py), keyed by parameter. A pipeline module
-    names a layer's parameters "<layer index>.<key>", the index and key of layer_XX files."""
-    maps = {layer.index: {tensor.ours: tensor for tensor in layer.tensors}
-            for layer in layer_maps(config, resolve_architecture(config))}
-    blocks = range(2, config.num_layers + 2)
-    found = {}
-    for name, param in module.named_parameters():
-        index, _, key = name.partition(".")
-        if not index.isdigit() or int(index) not in blocks or param.ndim < 2 or key in NOT_MUON:
-            continue
-        tensor = maps[int(index)].get(key)
-        if tensor is None:
-            raise ValueError(f"Muon: the block parameter {name} has no Hugging Face tensor map (hf/tables.py)")
-        found[param] = tensor
-    return found
-
-
 class TensorParallelMuon(torch.optim.Optimizer):
     """Muon for the block matrices, each orthogonalised as the whole HF matrix across the TP shards, and AdamW for
     the rest (module docstring). Built before deepspeed.initialize (a client optimizer: ZeRO-1 or BF16_Optimizer
@@ -157,6 +129,7 @@ class TensorParallelMuon(torch.optim.Optimizer):
         self.model_config, self.context = model_config, context
         self.partitions: dict[str, FlatPartition] = {}
         self.clip: QKClip | None = None  # MuonClip (optimizer.qk_clip): its rows' factors, applied after the update
+        self.newton_schulz_flops = 0  # run on this rank so far, counted on the host from the shapes
 
     def bind(self, partitions: dict[str, FlatPartition]) -> None:
         """The flat partitions DeepSpeed's optimizer made of each group (by group name): from now on the groups hold
@@ -259,6 +232,7 @@ class TensorParallelMuon(torch.optim.Optimizer):
             shards = [shard]
         merged = merge_to_hf(tensor, shards, self.model_config)
         matrices = (merged,) if torch.is_tensor(merged) else merged
+        self.newton_schulz_flops += sum(newton_schulz_flops(*m.shape, group["ns_steps"]) for m in matrices)
         scaled = tuple(newton_schulz(matrix, group["ns_steps"]).mul_(
             adjusted_lr(group["lr"], group["adjust_lr"], matrix.shape)) for matrix in matrices)
         value = scaled[0] if torch.is_tensor(merged) else scaled
