@@ -5,7 +5,7 @@ transformers' own q_proj, k_proj and rotary embedding (``head_maxima``, ``clip_r
 Measured: 5 steps at TP 2 x PP 2 x DP 2 with SP, tau 1.15 amid the heads' first maxima (1.07 to 1.36): each step's
 per-head maxima (reduced over DP) and the losses within 1e-5 of the reference, every weight within 7.7e-7; without the
 DP reduction of the maxima they are 0.26 off. At lr 0 the monitor sees each block's largest logit at tau after
-clipping (above it without). At lr 1.0 for 8 steps the monitor's largest logit is 71.6 clipped, 6,072 unclipped: the
+clipping (above it without), and the log's qk_clip_max_logit and qk_clipped_heads are the ranks' own. At lr 1.0 for 8 steps the monitor's largest logit is 71.6 clipped, 6,072 unclipped: the
 clip uses the step's own forward, before its update, and one update at lr 1.0 moves the logits by tens on its own.
 """
 
@@ -125,16 +125,19 @@ def watched(engine, ctx, num_layers: int, lrs: list[float]) -> dict:
 
     sample = next(micro_batches(0, 0, 1))
     monitor = StabilityMonitor(engine, ctx, num_layers, 1, 0.0, lambda: sample)
-    clip, after, before = engine.optimizer.optimizer.clip, [], []
+    clip, after, before, over, logged = engine.optimizer.optimizer.clip, [], [], [], []
     for step, lr in enumerate(lrs, start=1):
         monitor.before_step(step)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         engine.train_batch(data_iter=iter([sample] * (GLOBAL_BATCH // ctx.data_parallel_size)))
         monitor.after_step(step)
-        after.append(monitor.take()["attention_logit_per_layer"])
+        fields = monitor.take()
+        after.append(fields["attention_logit_per_layer"])
         before.append(float(clip.largest.max()) if clip is not None else None)
-    return {"after": after, "before": before}
+        over.append(int((clip.largest > TAU).sum()) if clip is not None else None)
+        logged.append((fields.get("qk_clip_max_logit"), fields.get("qk_clipped_heads")))
+    return {"after": after, "before": before, "over": over, "logged": logged}
 
 
 def check_clipping(ranks: list, tmp_path: Path) -> None:
@@ -161,6 +164,12 @@ def check_clipping(ranks: list, tmp_path: Path) -> None:
     assert max(free_run["after"][0]) > TAU  # the monitor sees the unclipped logits above tau ...
     for layer, largest in enumerate(watched_run["after"][0]):  # ... and each block's clipped at it, or below
         assert largest <= TAU * (1 + 1e-6) and (largest >= TAU * (1 - 1e-6) or free_run["after"][0][layer] <= TAU)
+    # the log's fields: the largest pre-clip logit of all ranks' heads, and the heads clipped (each counted once)
+    for step in range(1 + WILD_STEPS):
+        largest = max(rank[watched]["before"][step] for rank in ranks)
+        clipped = sum(rank[watched]["over"][step] for rank in ranks) // 2  # DP 2 replicas hold the same heads
+        assert watched_run["logged"][step] == (pytest.approx(largest, rel=1e-6), clipped)
+    assert free_run["logged"][0] == (None, None)
     # lr 1.0: each step's update alone moves the logits by ~25 (clipping uses the step's own forward, before it)
     largest_clipped = max(max(after) for after in watched_run["after"])
     largest_free = max(max(after) for after in free_run["after"])

@@ -108,6 +108,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         check_qk_clip(muon, model_config, context.context_parallel_size)
         if muon.qk_clip is not None:  # MuonClip: the step's per-head maxima, reduced over DP before the update
             optimizer.clip = QKClip(muon.qk_clip, engine.module, engine.grid.get_data_parallel_group())
+            engine.module.qk_clip = optimizer.clip  # what the stability monitor logs of it (training/stability.py)
             ds_internals.run_before_instruction(engine, "OptimizerStep", optimizer.clip.before_step)
     else:
         weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)

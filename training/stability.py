@@ -9,6 +9,9 @@
     update / weight RMS ratio  every parameter, per group ("matrices":       every stability_interval   update_rms_ratio
                                  >= 2-D, decayed; "vectors": norms, biases)   steps                    {group: ratio}
                                  ||w_after - w_before|| / ||w_before||
+    MuonClip (qk_clip set)     the last step's training forwards: its        every logged step        qk_clip_max_logit,
+                                 largest logit before clipping, and the                                 qk_clipped_heads
+                                 heads clipped (training/muon.py QKClip)
 
 Nothing is read on the host between logs: the values stay on the device until the logged step, where one SUM and one
 MAX all-reduce of a small vector (every rank: ranks that hold none of a value contribute 0 or -inf) bring them to
@@ -45,7 +48,8 @@ class StabilityMonitor:
         once, at the first measurement)."""
         self.engine, self.ctx, self.num_layers, self.interval = engine, ctx, num_layers, interval
         self.objective: GPTLoss = engine.module.objective
-        self.records = interval > 0 or z_loss > 0
+        self.clip = getattr(engine.module, "qk_clip", None)  # MuonClip's record of its last step (training/engine.py)
+        self.records = interval > 0 or z_loss > 0 or self.clip is not None
         self.make_probe_batch, self.probe_batch = probe_batch_factory, None
         self._before: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
         self._pending_logits: dict[int, torch.Tensor] | None = None
@@ -103,14 +107,18 @@ class StabilityMonitor:
             return {}
         record = self.objective.take()
         device = device_of(self.engine.module)  # where the records and the probe's logits are, and NCCL reduces
-        summed = torch.zeros(5 + 2 * len(GROUPS), device=device)
-        largest = torch.full((1 + self.num_layers,), float("-inf"), device=device)  # [-min log Z, logit per block]
+        summed = torch.zeros(6 + 2 * len(GROUPS), device=device)  # [record, update sums, clipped heads]
+        largest = torch.full((2 + self.num_layers,), float("-inf"), device=device)  # [-min log Z, clip, per block]
         if record is not None:
             summed[:5], largest[0] = record[0], -record[1]
         if self._pending_update is not None:
-            summed[5:] = self._pending_update
+            summed[5:-1] = self._pending_update
+        clip = self.clip.largest if self.clip is not None else None
+        if clip is not None and clip.numel():  # each DP replica holds the same reduced maxima: counted once
+            summed[-1] = (clip > self.clip.tau).sum() / self.ctx.data_parallel_size
+            largest[1] = clip.max()
         for layer, value in (self._pending_logits or {}).items():
-            largest[layer] = value
+            largest[1 + layer] = value
         measured = self._pending_logits is not None
         self._pending_update = self._pending_logits = None
         dist.all_reduce(summed)
@@ -120,15 +128,17 @@ class StabilityMonitor:
     def _fields(self, summed: list[float], largest: list[float], measured: bool) -> dict[str, Any]:
         cross_entropy, z_term, micro_batches, log_z_sum, tokens = summed[:5]
         fields: dict[str, Any] = {}
+        if self.clip is not None and math.isfinite(largest[1]):
+            fields["qk_clip_max_logit"], fields["qk_clipped_heads"] = largest[1], round(summed[-1])
         if micro_batches:
             fields["z_loss"] = z_term / micro_batches
             fields["log_z_mean"] = log_z_sum / tokens
             fields["log_z_min"] = -largest[0]
         if measured:
-            per_layer = largest[1:]
+            per_layer = largest[2:]
             fields["attention_logit_per_layer"] = per_layer
             fields["max_attention_logit"] = max(per_layer)
-            update = summed[5:]
+            update = summed[5:-1]
             fields["update_rms_ratio"] = {group: math.sqrt(update[2 * i]) / math.sqrt(update[2 * i + 1])
                                           for i, group in enumerate(GROUPS) if update[2 * i + 1] > 0}
         return fields
