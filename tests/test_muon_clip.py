@@ -177,3 +177,26 @@ def check_clipping(ranks: list, tmp_path: Path) -> None:
           f"tau {TAU}, {largest_free:.1f} unclipped; per step {[round(max(a), 1) for a in watched_run['after']]} vs "
           f"{[round(max(a), 1) for a in free_run['after']]}")
     assert largest_clipped < largest_free / 10
+
+
+def test_a_step_without_the_steps_reduction_fails_instead_of_clipping_by_stale_factors():
+    """The clip's factors belong to one step: before_step sets them (hooked before DeepSpeed's OptimizerStep), the
+    next forward retires them (hooked before ForwardPass). A schedule that skipped the first hook would otherwise
+    clip every later step by the first step's factors, silently."""
+    from model.gpt import GPT
+    from model.parallel import ParallelContext
+    from training.muon import QKClip, as_pipeline_layers, build_muon
+
+    config = model_config()
+    model = GPT(config, seed=1)
+    optimizer = build_muon(as_pipeline_layers(model), config, ParallelContext(), MuonConfig(qk_clip=TAU))
+    optimizer.clip = QKClip(TAU, model)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    with pytest.raises(RuntimeError, match="MuonClip: the optimizer stepped without this step's per-head maxima"):
+        optimizer.step()
+    optimizer.clip.before_step()
+    optimizer.step()  # this step's factors
+    optimizer.clip.forward_started()
+    with pytest.raises(RuntimeError, match="the clip would use the previous step's factors"):
+        optimizer.step()

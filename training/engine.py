@@ -110,6 +110,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
             optimizer.clip = QKClip(muon.qk_clip, engine.module, engine.grid.get_data_parallel_group())
             engine.module.qk_clip = optimizer.clip  # what the stability monitor logs of it (training/stability.py)
             ds_internals.run_before_instruction(engine, "OptimizerStep", optimizer.clip.before_step)
+            ds_internals.run_before_instruction(engine, "ForwardPass", optimizer.clip.forward_started)
     else:
         weight_decay = deepspeed_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
         param_groups = weight_decay_groups(module, weight_decay)

@@ -139,6 +139,10 @@ class TensorParallelMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """One step of every group DeepSpeed hands over (ZeRO-1 steps one group at a time)."""
+        if self.clip is not None and self.clip.attentions and not self.clip.fresh:
+            raise RuntimeError("MuonClip: the optimizer stepped without this step's per-head maxima reduced first "
+                               "(QKClip.before_step, hooked before DeepSpeed's OptimizerStep instruction); this "
+                               "schedule did not run the hook, so the clip would use the previous step's factors")
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
@@ -271,7 +275,13 @@ class QKClip:
         """id(parameter) -> its rows' factors, for the coming update."""
         self.largest: torch.Tensor | None = None
         """The last step's per-head maxima (this stage's heads, reduced over DP), before clipping: on the device."""
+        self.fresh = False
+        """The factors are this step's: set by ``before_step``, cleared by the next forward (``forward_started``),
+        so that an optimizer step the reduction did not precede fails instead of clipping by stale factors."""
         self._start_record()
+
+    def forward_started(self) -> None:
+        self.fresh = False
 
     def _start_record(self) -> None:
         for attention in self.attentions:
@@ -292,6 +302,7 @@ class QKClip:
                 if param is not None:
                     self.factors[id(param)] = rows
         self._start_record()
+        self.fresh = True
 
 
 def as_pipeline_layers(model: nn.Module) -> nn.Module:
