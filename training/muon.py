@@ -35,6 +35,7 @@ cut by a partition boundary), 5 iterations of ~3 matmuls of the matrix's short s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ from torch.optim.adam import adam as functional_adam
 
 from common import deepspeed_internals as ds_internals
 from common.device import HOST
-from hf.muon_matrices import NOT_MUON, muon_parameters, newton_schulz_flops  # noqa: F401 - the rule, used here
+from hf.muon_matrices import muon_parameters, newton_schulz_flops
 from hf.tables import TensorMap
 from hf.transforms import merge_to_hf, split_from_hf
 from model.config import ModelConfig
@@ -90,6 +91,19 @@ class FlatPartition:
     """Elements per rank: rank r holds [r size, (r + 1) size) of the flat buffer."""
     rank: int
     group: Any
+
+    @property
+    def start(self) -> int:
+        """Where this rank's partition begins in the flat buffer."""
+        return self.rank * self.size
+
+    def overlaps(self) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, its offset, low, high) for each parameter with elements [low, high) of the flat buffer in
+        this rank's partition. The same on every TP rank: the TP shards have the same shapes and offsets."""
+        for param, offset in zip(self.params, self.offsets, strict=True):
+            low, high = max(offset, self.start), min(offset + param.numel(), self.start + self.size)
+            if low < high:
+                yield param, offset, low, high
 
 
 def muon_param_groups(module: nn.Module, tensors: dict[nn.Parameter, TensorMap],
@@ -161,13 +175,14 @@ class TensorParallelMuon(torch.optim.Optimizer):
                     param.mul_(factors[id(param)].view(-1, *[1] * (param.ndim - 1)))
             return
         (flat,) = group["params"]
-        start = partition.rank * partition.size
-        for param, offset in zip(partition.params, partition.offsets, strict=True):
-            low, high = max(offset, start), min(offset + param.numel(), start + partition.size)
-            if id(param) not in factors or low >= high:
+        for param, offset, low, high in partition.overlaps():
+            if id(param) not in factors:
                 continue
-            per_element = factors[id(param)].repeat_interleave(param.numel() // param.shape[0])
-            flat[low - start:high - start].mul_(per_element[low - offset:high - offset])
+            columns = param.numel() // param.shape[0]  # the factors of the rows the overlap touches, per element
+            first, last = (low - offset) // columns, -(-(high - offset) // columns)
+            per_element = factors[id(param)][first:last].repeat_interleave(columns)
+            skip = low - offset - first * columns
+            flat[low - partition.start:high - partition.start].mul_(per_element[skip:skip + high - low])
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         """torch.optim.AdamW's single-tensor update (its functional form), on whatever the group holds."""
@@ -214,16 +229,11 @@ class TensorParallelMuon(torch.optim.Optimizer):
             whole = torch.cat(pieces)  # (world P,): the whole flat group
         else:
             whole = update
-        start = partition.rank * partition.size
-        end = start + partition.size
         flat.mul_(1 - lr * decay)
-        for param, offset in zip(partition.params, partition.offsets, strict=True):
-            low, high = max(offset, start), min(offset + param.numel(), end)
-            if low >= high:  # the same on every TP rank: the TP shards have the same shapes and offsets
-                continue
+        for param, offset, low, high in partition.overlaps():
             shard = whole[offset:offset + param.numel()].view(param.shape)
             orthogonal = self.orthogonal_shard(param, shard, group).reshape(-1)
-            flat[low - start:high - start].sub_(orthogonal[low - offset:high - offset])
+            flat[low - partition.start:high - partition.start].sub_(orthogonal[low - offset:high - offset])
 
     def orthogonal_shard(self, param: nn.Parameter, shard: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Collective over the TP group: this rank's shard of lr x adjust_lr x NS(each HF matrix of the whole
