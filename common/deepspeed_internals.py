@@ -82,6 +82,9 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                     model_parallel_group; BF16_Optimizer:              cross-stage collectives with zeros (PP > 1
                                     has_moe_layers, expert_gradients (set),            would hang otherwise)
                                     get_grads_for_norm (wrapped)
+    pad_norm_collectives          ZeRO: scaled_global_norm (wrapped),                a stage with fewer param groups (Muon: no        training/engine.py
+                                    model_parallel_group                               embedding or head, so no "decay" group) runs
+                                                                                       the others' cross-stage SUMs with zeros
     own_expert_checkpoints        engine.has_moe_layers (off during save and load)   its MoE save writes no layer files and its MoE  training/checkpoint.py
                                                                                        load wants expp_rank files: the experts are
                                                                                        saved in this project's files
@@ -480,12 +483,10 @@ def expert_param_group(params: list[Any], expert_parallel_size: int, weight_deca
 def pad_expert_norm_collectives(engine: Any, expert_parallel_size: int, missing_groups: int) -> None:
     """On a pipeline stage without experts, issue the cross-stage collectives that the stages with experts run for
     their expert group's norm, with zeros, so that every stage runs the same sequence (otherwise PP > 1 hangs):
-    ZeRO-1 (``scaled_global_norm``): ``missing_groups`` more SUMs over ``model_parallel_group`` (one per param group),
-    added to the norm; BF16_Optimizer (``step``): ``has_moe_layers`` on, with ``get_grads_for_norm`` giving the
-    expert group one zero, so that ``get_norm_with_moe_layers`` runs the same model-parallel and EP SUMs (and
-    ``expert_gradients`` empty, which ``get_grads_for_reduction`` then returns)."""
+    ZeRO-1 as ``pad_norm_collectives``; BF16_Optimizer (``step``): ``has_moe_layers`` on, with ``get_grads_for_norm``
+    giving the expert group one zero, so that ``get_norm_with_moe_layers`` runs the same model-parallel and EP SUMs
+    (and ``expert_gradients`` empty, which ``get_grads_for_reduction`` then returns)."""
     import torch
-    import torch.distributed as torch_dist
 
     optimizer = engine.optimizer
     name = expert_group_name(expert_parallel_size)
@@ -502,7 +503,19 @@ def pad_expert_norm_collectives(engine: Any, expert_parallel_size: int, missing_
         optimizer.expert_gradients = {}  # set only with experts; get_grads_for_reduction reads it once on
         optimizer.get_grads_for_norm = with_zero_expert_group
         return
-    if missing_groups <= 0:
+    pad_norm_collectives(engine, missing_groups)
+
+
+def pad_norm_collectives(engine: Any, missing_groups: int) -> None:
+    """ZeRO-1's gradient norm (``scaled_global_norm``) runs one SUM over ``model_parallel_group`` (across the stages)
+    per param group: on a stage with ``missing_groups`` fewer groups than another, run those with zeros, added to
+    the norm, so that every stage runs the same sequence (otherwise PP > 1 hangs). BF16_Optimizer reduces all its
+    groups' norms at once: nothing to pad."""
+    import torch
+    import torch.distributed as torch_dist
+
+    optimizer = engine.optimizer
+    if missing_groups <= 0 or hasattr(optimizer, "bf16_groups") or not hasattr(optimizer, "scaled_global_norm"):
         return
     scaled = optimizer.scaled_global_norm
 

@@ -119,8 +119,7 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         objective = DPOLoss(context, dpo)
         ds_internals.wrap_loss(engine, lambda next_token_loss: objective)
         engine.module.objective = objective
-    if context.expert_parallel_size > 1:
-        _pad_stages_without_experts(engine, context, param_groups)
+    _pad_stages_with_fewer_groups(engine, context, param_groups)
     if schedule == "dualpipev":
         ds_internals.run_short_batches_as(engine, _dualpipev_or_vshape)
     sparse = sparse_layers(engine.module)
@@ -152,19 +151,21 @@ def set_global_batch(engine: Any, context: ParallelContext, samples: int) -> Non
         engine.set_train_batch_size(deepspeed_batch_size(samples, context))
 
 
-def _pad_stages_without_experts(engine: Any, context: ParallelContext, param_groups: list[dict[str, Any]]) -> None:
-    """Collective over the pipeline. The gradient norm of a stage with experts runs cross-stage all-reduces for its
-    expert group that a stage without them would not: the stages agree on the largest group count (MAX over the
-    pipeline group), and a stage without experts runs the missing ones with zeros
-    (common/deepspeed_internals.py, pad_expert_norm_collectives)."""
+def _pad_stages_with_fewer_groups(engine: Any, context: ParallelContext, param_groups: list[dict[str, Any]]) -> None:
+    """Collective over the pipeline. ZeRO-1's gradient norm runs one cross-stage all-reduce per param group, so the
+    stages agree on the largest group count (MAX over the pipeline group) and a stage with fewer groups runs the
+    missing ones with zeros (common/deepspeed_internals.py): a stage without experts where others have them (and
+    BF16_Optimizer's expert norm, pad_expert_norm_collectives), a stage without the "decay" group where Muon took the
+    block matrices and the embedding and head are elsewhere (the middle of the pipeline; DualPipeV's second rank)."""
     if context.pipeline_parallel_size == 1:
         return
-    has_experts = any(group.get("moe") for group in param_groups)
     count = torch.tensor([len(param_groups)], dtype=torch.int64, device=engine.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=engine.grid.get_pipe_parallel_group())
-    if not has_experts:
-        ds_internals.pad_expert_norm_collectives(engine, context.expert_parallel_size,
-                                                 int(count.item()) - len(param_groups))
+    missing = int(count.item()) - len(param_groups)
+    if context.expert_parallel_size > 1 and not any(group.get("moe") for group in param_groups):
+        ds_internals.pad_expert_norm_collectives(engine, context.expert_parallel_size, missing)
+    else:
+        ds_internals.pad_norm_collectives(engine, missing)
 
 
 def pipeline_schedule_of(engine: Any, micro_batches: int | None = None) -> str:
