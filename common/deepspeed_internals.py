@@ -35,7 +35,8 @@ engine's ``__class__``, and an edit of ``sys.modules``.
                                                                                                                                        training/checkpoint.py
     run_before_instruction        PipelineEngine._INSTRUCTION_MAP (an instance       the noise scale reads the gradients before      training/noise_scale.py,
                                     map; _exec_schedule looks it up on self)           ReduceGrads averages them over DP; the MoE      training/engine.py
-                                                                                       layers learn the micro-batch count
+                                                                                       layers learn the micro-batch count;
+                                                                                       MuonClip's maxima reduced before the step
     wrap_instructions             the same map, every handler wrapped                each instruction a profiler range               training/profiling.py
     flat_partition_layout         round_robin_bit16_*, partition_size, bf16_groups*  where each Muon parameter lies in its flat buffer training/muon.py
     accumulated_gradients         BF16_Optimizer.fp32_groups_gradients, bf16_groups; the gradient of one replica, before the DP      training/noise_scale.py

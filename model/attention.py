@@ -22,7 +22,7 @@ back. Selective recomputation reruns the core between the all-to-alls, not the a
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -178,6 +178,36 @@ class CausalAttention(nn.Module):
         self.layer_number = layer_number
         self.max_logit: torch.Tensor | None = None  # set by a forward inside attention_logit_probe()
         self.step_logits: torch.Tensor | None = None  # each head's, of the training forwards: MuonClip's (QKClip)
+        self.logit_hook: Callable[..., None] | None = None  # MuonClip's passes after a step (training/muon.py)
+
+    def _project(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """q, k, v of ``x`` through this rank's projections, rotated at their positions (and through the KV cache,
+        where one is set): what ``core`` takes."""
+        raise NotImplementedError(f"{type(self).__name__} defines no projections (_project)")
+
+    def _project_and_hook(self, x: torch.Tensor, position_ids: torch.Tensor | None,
+                          segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """``_project``; with a ``logit_hook`` (MuonClip's passes) the hook sees q and k first, may scale the query
+        and key rows, and the projections run again through them (on every TP rank, as the forward's collectives
+        need)."""
+        q, k, v = self._project(x, position_ids)
+        if self.logit_hook is not None:
+            self.logit_hook(self, q, k, segment_ids)
+            q, k, v = self._project(x, position_ids)
+        return q, k, v
+
+    def logit_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Per-row factors of this rank's query and key projections that scale query head j's logits by ``gamma[j]``
+        (nh/R,) > 0, exactly: MuonClip's (training/muon.py QKClip)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot scale its heads' logits (logit_rows)")
+
+    def head_maxima(self, q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+        """Each head's largest logit (nh/R,) at this attention's softmax scale, fp32 on the device (``head_logits``
+        is at 1 / sqrt(d))."""
+        largest = head_logits(q, k, segment_ids)  # (nh/R,) of q.k / sqrt(d): the logits over a positive constant
+        if self.softmax_scale is not None:
+            largest = largest * (self.softmax_scale * q.shape[-1] ** 0.5)
+        return largest
 
     def new_cache(self) -> AttentionCache:
         """An empty cache of what this attention needs of past tokens (AttentionCache's table)."""
@@ -201,9 +231,7 @@ class CausalAttention(nn.Module):
         queries, keys = q.shape[-2], k.shape[-2]
         training_step = self.step_logits is not None and torch.is_grad_enabled()  # a recomputation repeats it
         if self.max_logit is not None or training_step:  # the fused kernel never forms the scores: form them here
-            largest = head_logits(q, k, segment_ids)  # (nh/R,) of q.k / sqrt(d): the logits over a positive constant
-            if self.softmax_scale is not None:
-                largest = largest * (self.softmax_scale * q.shape[-1] ** 0.5)
+            largest = self.head_maxima(q, k, segment_ids)
             if self.max_logit is not None:
                 self.max_logit = torch.maximum(self.max_logit, largest)
             if training_step:
@@ -277,6 +305,22 @@ class SelfAttention(CausalAttention):
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``, ``segment_ids`` (b, s): a packed sample's positions and documents (documents never see
         each other; RoPE at each token's position in its document); without, one causal sequence 0 .. s-1."""
+        if segment_ids is not None and self.kv_cache is not None:
+            raise ValueError(DOCUMENTS_WITH_A_CACHE)
+        if self.ulysses is not None and self.kv_cache is not None:
+            raise ValueError("generation runs at context_parallel_size 1: load the checkpoint with CP 1")
+        q, k, v = self._project_and_hook(x, position_ids, segment_ids)
+        b, s = q.shape[0], q.shape[2]
+        if self.ulysses is None:
+            context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d)
+        else:  # DeepSpeed's order (b, s, heads, d); segment_ids (b, S) are the whole sample's
+            context = self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
+                                   segment_ids).transpose(1, 2)  # (b, nh/R, s, d)
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
+        return self.dense(context)  # (b, s, h)
+
+    def _project(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """q (b, nh/R, s, d), k and v (b, g/R, keys, d), keys = past + s with a KV cache, s without."""
         qkv = self.qkv(x)  # (b, s, ...): the whole sequence, also when x holds this rank's positions only
         b, s = qkv.shape[:2]
         per_group = self.queries_per_group
@@ -287,22 +331,17 @@ class SelfAttention(CausalAttention):
         if self.q_norm is not None:  # on each head's d features, before RoPE (Qwen3's order)
             q, k = self.q_norm(q), self.k_norm(k)
         past = 0 if self.kv_cache is None else self.kv_cache.length
-        if segment_ids is not None and self.kv_cache is not None:
-            raise ValueError(DOCUMENTS_WITH_A_CACHE)
-        if self.ulysses is not None and self.kv_cache is not None:
-            raise ValueError("generation runs at context_parallel_size 1: load the checkpoint with CP 1")
         if self.rotary is not None:  # under CP, s is this rank's slice: positions from its start in the sample
             start = past + (self.context_parallel_rank * s if position_ids is None else 0)
             q, k = self.rotary(q, k, offset=start, position_ids=position_ids)
         if self.kv_cache is not None:
             k, v = self.kv_cache.extend(k, v)  # each (b, g/R, past + s, d)
-        if self.ulysses is None:
-            context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d)
-        else:  # DeepSpeed's order (b, s, heads, d); segment_ids (b, S) are the whole sample's
-            context = self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
-                                   segment_ids).transpose(1, 2)  # (b, nh/R, s, d)
-        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, nh d/R)
-        return self.dense(context)  # (b, s, h)
+        return q, k, v
+
+    def logit_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The fused qkv's rows (and its bias's), ``qk_row_factors``."""
+        rows = qk_row_factors(gamma, self.groups, self.queries_per_group, self.head_dim)
+        return [(param, rows) for param in (self.qkv.weight, self.qkv.bias) if param is not None]
 
     def new_cache(self) -> KVCache:
         """This rank's g/R key/value heads, rotated keys and values of head_dim each."""
@@ -318,6 +357,17 @@ class SelfAttention(CausalAttention):
     def extra_repr(self) -> str:
         return (f"{self.groups} key/value groups of {self.queries_per_group} query heads on this rank, "
                 f"head_dim {self.head_dim}")
+
+
+def qk_row_factors(gamma: torch.Tensor, groups: int, queries_per_group: int, head_dim: int) -> torch.Tensor:
+    """Per row of a fused qkv shard ([g, q + 2, d] rows: a group's q query heads, its key head, its value head), the
+    factor that scales query head j's logits by ``gamma[j]`` exactly: the group's key rows by sqrt(min gamma), each
+    query head's by gamma_j / that, the value rows by 1. One query head per group (MHA): sqrt(gamma) on both, Kimi-K2's
+    rule."""
+    gamma = gamma.view(groups, queries_per_group)
+    key = gamma.amin(dim=1, keepdim=True).sqrt()  # (g, 1)
+    per_head = torch.cat([gamma / key, key, torch.ones_like(key)], dim=1)  # (g, q + 2)
+    return per_head.repeat_interleave(head_dim, dim=1).reshape(-1)  # (g (q + 2) d,)
 
 
 def head_norm(config: ModelConfig) -> nn.Module:

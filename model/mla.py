@@ -193,6 +193,14 @@ class MultiHeadLatentAttention(CausalAttention):
         documents, as SelfAttention takes them; without, one causal sequence past .. past + s - 1 (past: the tokens a
         KV cache holds, 0 without one)."""
         self._check_cache(segment_ids)
+        q, k, v = self._project_and_hook(x, position_ids, segment_ids)
+        context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d_v)
+        b, s = q.shape[0], q.shape[2]
+        return self.dense(context.transpose(1, 2).reshape(b, s, self.heads * self.v_head_dim))  # (b, s*, h)
+
+    def _project(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """q (b, nh/R, s, d_n + d_r), k (b, nh/R, keys, d_n + d_r) and v (b, nh/R, keys, d_v), keys = past + s with
+        a KV cache (the cache takes the new latent and rope key), s without."""
         d_n, d_r, d_v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         q = self._queries(x)  # (b, s, nh/R (d_n + d_r)): the whole sequence, also when x holds this rank's positions
         b, s = q.shape[:2]
@@ -212,8 +220,20 @@ class MultiHeadLatentAttention(CausalAttention):
         k_nope, v = kv.view(b, keys, self.heads, d_n + d_v).transpose(1, 2).split([d_n, d_v], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (b, nh/R, s, d_n + d_r)
         k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)  # (b, nh/R, keys, d_n + d_r)
-        context = self._core_or_recompute(q, k, v, segment_ids)  # (b, nh/R, s, d_v)
-        return self.dense(context.transpose(1, 2).reshape(b, s, self.heads * d_v))  # (b, s*, h)
+        return q, k, v
+
+    def logit_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Kimi-K2's rule, exact: head j's query rows (q_proj's or q_b_proj's) times sqrt(gamma_j) on its d_n
+        unrotated features and gamma_j on its d_r rotated ones, kv_b_proj's key rows of head j times sqrt(gamma_j)
+        (its value rows 1); the rope key, which all heads share (kv_a_proj_with_mqa), is left alone. Head j's logit
+        q_nope.k_nope + q_rope.k_rope is then gamma_j times its logit before."""
+        d_n, d_r, d_v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        gamma = gamma.view(self.heads, 1)
+        root = gamma.sqrt()
+        queries = torch.cat([root.expand(-1, d_n), gamma.expand(-1, d_r)], dim=1).reshape(-1)  # (nh/R (d_n + d_r),)
+        keys = torch.cat([root.expand(-1, d_n), torch.ones_like(gamma).expand(-1, d_v)], dim=1).reshape(-1)
+        query_projection = self.q_proj if self.q_proj is not None else self.q_b_proj
+        return [(query_projection.weight, queries), (self.kv_b_proj.weight, keys)]
 
     def new_cache(self) -> LatentKVCache:
         """The latent and the rope key (module docstring): kv_b_proj gives this rank's heads from the whole latent."""

@@ -16,6 +16,11 @@
     qk_clip        MuonClip's threshold tau on each    null (off)        (Kimi-K2; not in torch)
                    head's largest attention logit
                    (training/muon.py QKClip)
+    qk_clip_passes MuonClip's forwards of the step's    0 (Kimi-K2's      (not in Kimi-K2)
+                   batch after its update, each          clip alone)
+                   attention clipping itself, until
+                   none passes tau (training/muon.py
+                   clip_after_step)
     torch_adam     ignored (the AdamW groups are torch's functional AdamW already)
 
 Muon's Newton-Schulz coefficients (3.4445, -4.775, 2.0315) and its eps 1e-7 are torch's, fixed. The optimizer itself
@@ -55,6 +60,11 @@ class MuonConfig:
     qk_clip: float | None = None
     """MuonClip's threshold tau on the largest pre-softmax attention logit of each head; null: off. Refused where
     a head's logits cannot be scaled through its query and key rows (``check_qk_clip``)."""
+    qk_clip_passes: int = 0
+    """After Kimi-K2's clip, up to this many forwards of the step's micro-batches through the updated weights, each
+    attention clipping its own rows before its output goes on, until a pass finds no head above tau: the clip then
+    holds on the step's batch, which Kimi-K2's alone does not where one update moves the logits far (a large lr).
+    Each pass costs a forward of the batch (no backward) and holds its outputs; 0: Kimi-K2's clip alone."""
 
     def __post_init__(self) -> None:
         if self.adjust_lr not in ADJUST_LR:
@@ -70,6 +80,13 @@ class MuonConfig:
         if self.qk_clip is not None and not (isinstance(self.qk_clip, (int, float)) and self.qk_clip > 0):
             raise ValueError(f"optimizer.params.qk_clip {self.qk_clip!r} must be a logit threshold > 0 (Kimi-K2: 100), "
                              f"or null for no clipping")
+
+        if not isinstance(self.qk_clip_passes, int) or isinstance(self.qk_clip_passes, bool) \
+                or self.qk_clip_passes < 0:
+            raise ValueError(f"optimizer.params.qk_clip_passes {self.qk_clip_passes!r} must be an integer >= 0")
+        if self.qk_clip is None and self.qk_clip_passes:
+            raise ValueError(f"optimizer.params.qk_clip_passes {self.qk_clip_passes} without qk_clip: set the "
+                             f"threshold optimizer.params.qk_clip, or remove qk_clip_passes")
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> MuonConfig:
@@ -107,9 +124,6 @@ def check_qk_clip(options: MuonConfig | None, model: Any, context_parallel_size:
     if options is None or options.qk_clip is None:
         return
     field = f"optimizer.params.qk_clip {options.qk_clip}"
-    if model.attention_type == "mla":
-        raise ValueError(f"{field}: MuonClip on multi-head latent attention (its rope key shared by the heads) is not "
-                         f"built; remove the field or use attention_type \"mha\" / \"gqa\"")
     if model.qk_layernorm:
         raise ValueError(f"{field}: model.qk_layernorm normalises the queries and keys after their projections, so "
                          f"scaling the projections' rows cannot clip the logits; remove one of the two")

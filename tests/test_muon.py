@@ -8,8 +8,7 @@ training/muon.py orthogonalises in fp32 for the same reason, also in bf16 runs.
 
 - One process: ``newton_schulz`` equals torch's fp32-cast iteration bit for bit, and torch's bf16 one to 2e-2; the
   optimizer (no ZeRO, TP 1) on the GPT equals torch's Muon + AdamW on the HF Llama and Mixtral for 3 steps; the
-  block matrices go to Muon, the rest to AdamW; a Muon field it does not take (and qk_clip, not built) is refused by
-  name.
+  block matrices go to Muon, the rest to AdamW; a Muon field it does not take is refused by name.
 - 8 gloo processes, one launch: a Llama shape (2 blocks, GQA 4 heads in 2 KV groups, SwiGLU, untied head) trains 10
   steps at TP 2 x PP 2 x DP 2 with sequence parallelism, ZeRO-1, clipping at 1.0 and a warmup learning rate, once
   per adjust_lr mode; each step's loss and gradient norm, and every weight of the exported model after the last step,
@@ -20,7 +19,8 @@ training/muon.py orthogonalises in fp32 for the same reason, also in bf16 runs.
   Mixtral shape (4 experts, top 2, no aux loss) at EP 2 trains 5 steps equal to the reference, each expert's gate, up
   and down orthogonalised apart.
 - The same launch, MuonClip (optimizer.qk_clip; tests/test_muon_clip.py checks it): 5 clipped steps against the
-  reference with the clip, and steps at lr 0 and lr 1.0 watched by the stability monitor, clipped and not.
+  reference with the clip, and steps at lr 0 and lr 1.0 watched by the stability monitor: clipped, not clipped, and
+  clipped with passes (optimizer.qk_clip_passes).
 - 4 gloo processes: bf16 (BF16_Optimizer's partitions, fp32 Newton-Schulz) near fp32.
 
 Shown once, not in the suite (docs/muon.md): Newton-Schulz on each TP shard alone, as DeepSpeed's Muon runs it, is
@@ -51,9 +51,9 @@ FIELDS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value
 MUON_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MOE = {"num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 32, "aux_loss_coeff": 0.0}  # Mixtral; CE alone
 MOE_STEPS = 5
-TAU, CLIP_STEPS, WILD_STEPS = 1.15, 5, 8
+TAU, CLIP_STEPS, WILD_STEPS, CLIP_PASSES = 1.15, 5, 8, 4
 """MuonClip's threshold, amid the heads' first largest logits (1.07 to 1.36); the parity run's steps; the steps
-at lr 1.0 the stability monitor watches, clipped and not."""
+at lr 1.0 the stability monitor watches, clipped and not; the most passes after a step (optimizer.qk_clip_passes)."""
 
 
 def model_config(moe: bool = False):
@@ -82,11 +82,12 @@ def micro_batches(step: int, data_parallel_rank: int, data_parallel_size: int):
         yield (tokens[row:row + 1, :-1], positions), (tokens[row:row + 1, 1:], mask[row:row + 1])
 
 
-def deepspeed_config(adjust_lr: str, qk_clip: float | None = None) -> dict:
+def deepspeed_config(adjust_lr: str, qk_clip: float | None = None, qk_clip_passes: int = 0) -> dict:
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP,
             "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
             "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS),
-                                                     "eps": EPS, "adjust_lr": adjust_lr, "qk_clip": qk_clip}}}
+                                                     "eps": EPS, "adjust_lr": adjust_lr, "qk_clip": qk_clip,
+                                                     "qk_clip_passes": qk_clip_passes}}}
 
 
 def fp32_torch_muon():
@@ -356,8 +357,8 @@ def _train(directory: str, per_shard: bool = False) -> list[dict]:
     del engine
     dist.barrier()
     from tests.test_muon_clip import watched
-    for tau in (TAU, None):
-        engine, ctx = build_engine(config, parallel, deepspeed_config(MODES[0], tau), SEED)
+    for tau, passes in ((TAU, 0), (None, 0), (TAU, CLIP_PASSES)):
+        engine, ctx = build_engine(config, parallel, deepspeed_config(MODES[0], tau, passes), SEED)
         results.append(watched(engine, ctx, config.num_layers, [0.0] + [1.0] * WILD_STEPS))
         del engine
         dist.barrier()

@@ -1,12 +1,18 @@
-"""MuonClip (training/muon.py QKClip): the row factors and the refusals here; the distributed checks run in
-tests/test_muon.py's launch (``watched``, ``check_clipping``), against a one-process reference built from
-transformers' own q_proj, k_proj and rotary embedding (``head_maxima``, ``clip_reference``).
+"""MuonClip (training/muon.py QKClip): the row factors and the refusals here, MLA's rows against transformers'
+DeepseekV3Attention; the distributed checks run in tests/test_muon.py's launch (``watched``, ``check_clipping``),
+against a one-process reference built from transformers' own q_proj, k_proj and rotary embedding (``head_maxima``,
+``clip_reference``).
 
 Measured: 5 steps at TP 2 x PP 2 x DP 2 with SP, tau 1.15 amid the heads' first maxima (1.07 to 1.36): each step's
 per-head maxima (reduced over DP) and the losses within 1e-5 of the reference, every weight within 7.7e-7; without the
 DP reduction of the maxima they are 0.26 off. At lr 0 the monitor sees each block's largest logit at tau after
-clipping (above it without), and the log's qk_clip_max_logit and qk_clipped_heads are the ranks' own. At lr 1.0 for 8 steps the monitor's largest logit is 71.6 clipped, 6,072 unclipped: the
-clip uses the step's own forward, before its update, and one update at lr 1.0 moves the logits by tens on its own.
+clipping (above it without), and the log's qk_clip_max_logit and qk_clipped_heads are the ranks' own. At lr 1.0 for
+8 steps the monitor's largest logit is 71.6 clipped, 6,072 unclipped: Kimi-K2's clip uses the step's own forward,
+before its update, and one update at lr 1.0 moves the logits by tens on its own. With qk_clip_passes (forwards of the
+step's batch through the updated weights, each attention clipping itself) the monitor sees 1.068 to 1.150 at every
+step of the same 8, 3 passes a step; without the DP reduction inside the passes the replicas' weights part. MLA
+(q_lora and q_proj): maxima equal transformers' within 1e-5, rows after the clip equal Kimi-K2's rule on
+transformers' tensors within 1e-6; scaling the rotated query rows by sqrt(gamma) instead fails both cases.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from model.config import preset
 from runconfig.optimizer import MuonConfig
 from tests.test_muon import (
+    CLIP_PASSES,
     CLIP_STEPS,
     FIELDS,
     GLOBAL_BATCH,
@@ -42,18 +49,22 @@ def test_qk_clip_is_refused_where_rows_cannot_clip_the_logits():
     options = MuonConfig(qk_clip=100.0)
     check_qk_clip(options, model_config(), 1)
     check_qk_clip(MuonConfig(), model_config(), 2)  # no clip: nothing to refuse
+    check_qk_clip(options, preset("kimi-k2"), 1)  # MLA: Kimi-K2's rule (test_mla_clip_is_kimi_k2s_rule)
     for model, cp, reason in [(dataclasses.replace(model_config(), qk_layernorm=True), 1, "model.qk_layernorm"),
-                              (model_config(), 2, "context parallelism"),
-                              (preset("moonlight-16b-a3b"), 1, "multi-head latent attention")]:
+                              (model_config(), 2, "context parallelism")]:
         with pytest.raises(ValueError, match=f"optimizer.params.qk_clip 100.0: .*{reason}"):
             check_qk_clip(options, model, cp)
+    with pytest.raises(ValueError, match="optimizer.params.qk_clip_passes 2 without qk_clip"):
+        MuonConfig(qk_clip_passes=2)
+    with pytest.raises(ValueError, match="optimizer.params.qk_clip_passes -1 must be an integer >= 0"):
+        MuonConfig(qk_clip=1.0, qk_clip_passes=-1)
 
 
 @pytest.mark.parametrize("queries_per_group", [1, 3])
 def test_qk_row_factors_scale_each_heads_logits_by_its_gamma(queries_per_group):
     """A fused qkv shard with a bias ([g, q + 2, d] rows), MHA and GQA: after the rows' factors, head j's logits are
     gamma_j times its logits before, exactly (fp64), heads under tau untouched; the values' rows too."""
-    from training.muon import qk_row_factors
+    from model.attention import qk_row_factors
 
     groups, d, hidden, length = 2, 8, 16, 5
     generator = torch.Generator().manual_seed(3)
@@ -73,6 +84,65 @@ def test_qk_row_factors_scale_each_heads_logits_by_its_gamma(queries_per_group):
     after, values_after = logits(weight * rows[:, None], bias * rows)
     torch.testing.assert_close(after, before * gamma[:, None, None], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(values_after, values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "rope_scaling": None}], ids=["q_lora", "q_proj"])
+def test_mla_clip_is_kimi_k2s_rule(monkeypatch, overrides):
+    """MLA (DeepSeek-V3, Kimi-K2): our attention's maxima, and its rows after the clip, against transformers'
+    DeepseekV3Attention with Kimi-K2's rule written on its own tensors: each head's q.k scaling from its own eager
+    attention; q_b_proj's (q_proj's) rows of head j times sqrt(gamma_j) on the unrotated features and gamma_j on the
+    rotated ones, kv_b_proj's key rows sqrt(gamma_j), the shared rope key (kv_a_proj_with_mqa) untouched. Afterwards
+    the clipped heads' largest logit is tau and the others' unchanged."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek
+
+    from model.mla import MultiHeadLatentAttention
+    from model.parallel import ParallelContext
+    from model.random import RNGStream
+    from tests.test_mla import YARN_MSCALE, B, H, S, _hf_attention, _inputs, mla_config
+    from training.muon import QKClip
+
+    config = mla_config(**{"rope_scaling": YARN_MSCALE, **overrides})
+    ours = MultiHeadLatentAttention(config, ParallelContext(), seed=1, layer_number=1, rng=RNGStream(0))
+    theirs, rotary = _hf_attention(config)
+    theirs.load_state_dict({name.replace("dense.", "o_proj."): t for name, t in ours.state_dict().items()})
+    x = _inputs(B, S, H, seed=2) * 4
+    cos, sin = rotary(x, torch.arange(S).expand(B, S))
+    causal = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S)
+    eager = deepseek.eager_attention_forward
+
+    def hf_maxima() -> torch.Tensor:
+        seen = {}
+
+        def keep(module, query, key, value, mask, scaling, **kwargs):
+            seen["logits"] = (query @ key.transpose(-1, -2) * scaling + mask).detach()
+            return eager(module, query, key, value, mask, scaling=scaling, **kwargs)
+
+        monkeypatch.setattr(deepseek, "eager_attention_forward", keep)
+        with torch.no_grad():
+            theirs(x, (cos, sin), causal)
+        return seen["logits"].amax(dim=(0, 2, 3))  # (nh,)
+
+    expected = hf_maxima()
+    tau = float(expected.median())  # half the heads above it
+    clip = QKClip(tau, ours)
+    ours(x).sum().backward()  # a training forward records the step's maxima
+    clip.before_step()
+    torch.testing.assert_close(clip.largest, expected, rtol=1e-5, atol=1e-5)
+    gamma = torch.where(expected > tau, tau / expected, torch.ones_like(expected))
+    assert 0 < int((gamma < 1).sum()) < len(gamma)
+    d_n, d_r, d_v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    with torch.no_grad():
+        query = (theirs.q_b_proj if theirs.q_lora_rank is not None else theirs.q_proj).weight.view(len(gamma), d_n + d_r, -1)
+        query[:, :d_n] *= gamma.sqrt()[:, None, None]
+        query[:, d_n:] *= gamma[:, None, None]
+        theirs.kv_b_proj.weight.view(len(gamma), d_n + d_v, -1)[:, :d_n] *= gamma.sqrt()[:, None, None]
+    rope_key = ours.kv_a_proj_with_mqa.weight.clone()
+    clip.scale_model_rows()
+    assert torch.equal(ours.kv_a_proj_with_mqa.weight, rope_key)
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, theirs.state_dict()[name.replace("dense.", "o_proj.")], rtol=1e-6, atol=0,
+                                   msg=name)
+    torch.testing.assert_close(hf_maxima(), torch.minimum(expected, torch.tensor(tau)), rtol=1e-5, atol=0)
 
 
 def head_maxima(model) -> tuple[list, list]:
@@ -119,30 +189,40 @@ def clip_reference(model, maxima: list[torch.Tensor], tau: float) -> None:
 
 
 def watched(engine, ctx, num_layers: int, lrs: list[float]) -> dict:
-    """Steps at the learning rates ``lrs``, every micro-batch of every one the same sample (step 0's first), the
-    stability monitor measuring the largest attention logit of each block after each step on it (its probe)."""
+    """Steps at the learning rates ``lrs``, the stability monitor measuring the largest attention logit of each block
+    after each step on one sample (step 0's first; its probe). Every micro-batch is that sample, but with
+    qk_clip_passes, where each DP rank's batch is the sample and 3 of its own (the step's micro_batches), so that the
+    passes' maxima differ between the replicas."""
+    from training.muon import clip_after_step
     from training.stability import StabilityMonitor
 
     sample = next(micro_batches(0, 0, 1))
     monitor = StabilityMonitor(engine, ctx, num_layers, 1, 0.0, lambda: sample)
-    clip, after, before, over, logged = engine.optimizer.optimizer.clip, [], [], [], []
+    clip, after, before, over, logged, passes = engine.optimizer.optimizer.clip, [], [], [], [], []
     for step, lr in enumerate(lrs, start=1):
         monitor.before_step(step)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        engine.train_batch(data_iter=iter([sample] * (GLOBAL_BATCH // ctx.data_parallel_size)))
+        batches = [sample] * (GLOBAL_BATCH // ctx.data_parallel_size)
+        if clip is not None and clip.passes:
+            batches[1:] = list(micro_batches(step, ctx.data_parallel_rank, ctx.data_parallel_size))[1:]
+        engine.train_batch(data_iter=iter(batches))
+        if clip is not None and clip.passes:  # what the trainer runs after train_batch
+            passes.append(clip_after_step(engine, batches, clip))
         monitor.after_step(step)
         fields = monitor.take()
         after.append(fields["attention_logit_per_layer"])
         before.append(float(clip.largest.max()) if clip is not None else None)
         over.append(int((clip.largest > TAU).sum()) if clip is not None else None)
         logged.append((fields.get("qk_clip_max_logit"), fields.get("qk_clipped_heads")))
-    return {"after": after, "before": before, "over": over, "logged": logged}
+    weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])  # this rank's, after the passes
+    return {"after": after, "before": before, "over": over, "logged": logged, "passes": passes, "weights": weights,
+            "stage": ctx.pipeline_parallel_rank, "tp": ctx.tensor_parallel_rank}
 
 
 def check_clipping(ranks: list, tmp_path: Path) -> None:
     """MuonClip against the one-process reference, and against the stability monitor."""
-    clipped, watched, unclipped = len(MODES) + 2, len(MODES) + 3, len(MODES) + 4
+    clipped, watched, unclipped, passed = len(MODES) + 2, len(MODES) + 3, len(MODES) + 4, len(MODES) + 5
     expected = train_reference(initial_weights(), MODES[0], CLIP_STEPS, qk_clip=TAU)
     heads = FIELDS["num_attention_heads"] // 2  # each TP rank's
     assert (expected["maxima"][0] > TAU).any() and (expected["maxima"][0] < TAU).any()  # some heads clipped, not all
@@ -177,6 +257,19 @@ def check_clipping(ranks: list, tmp_path: Path) -> None:
           f"tau {TAU}, {largest_free:.1f} unclipped; per step {[round(max(a), 1) for a in watched_run['after']]} vs "
           f"{[round(max(a), 1) for a in free_run['after']]}")
     assert largest_clipped < largest_free / 10
+    # lr 1.0 with the passes: forwards of the step's batch through the updated weights, each attention clipping
+    # itself, until none passes tau; the monitor (a forward of the same sample) then sees every block at tau or under
+    with_passes = ranks[0][passed]
+    print(f"lr 1.0 with qk_clip_passes {CLIP_PASSES}: passes per step {with_passes['passes']}; largest logit seen by "
+          f"the stability monitor per step {[round(max(a), 6) for a in with_passes['after']]}")
+    for step, blocks in enumerate(with_passes["after"]):
+        assert max(blocks) <= TAU * (1 + 1e-5), (step, blocks)
+    assert all(1 < passes < CLIP_PASSES for passes in with_passes["passes"][1:])  # the first step is at lr 0
+    replicas = {}  # the DP replicas clipped alike: each (stage, TP rank)'s two hold the same weights
+    for rank in ranks:
+        replicas.setdefault((rank[passed]["stage"], rank[passed]["tp"]), []).append(rank[passed]["weights"])
+    for pair in replicas.values():
+        assert len(pair) == 2 and torch.equal(*pair)
 
 
 def test_a_step_without_the_steps_reduction_fails_instead_of_clipping_by_stale_factors():

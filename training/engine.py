@@ -106,8 +106,9 @@ def build_engine(model_config: ModelConfig, parallel_config: ParallelConfig, dee
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config)
         bind_partitions(optimizer, engine.optimizer)
         check_qk_clip(muon, model_config, context.context_parallel_size)
-        if muon.qk_clip is not None:  # MuonClip: the step's per-head maxima, reduced over DP before the update
-            optimizer.clip = QKClip(muon.qk_clip, engine.module, engine.grid.get_data_parallel_group())
+        if muon.qk_clip is not None:  # MuonClip: the per-head maxima, reduced over DP (training/muon.py QKClip)
+            optimizer.clip = QKClip(muon.qk_clip, engine.module, engine.grid.get_data_parallel_group(),
+                                    muon.qk_clip_passes, optimizer.apply_clip)
             engine.module.qk_clip = optimizer.clip  # what the stability monitor logs of it (training/stability.py)
             ds_internals.run_before_instruction(engine, "OptimizerStep", optimizer.clip.before_step)
             ds_internals.run_before_instruction(engine, "ForwardPass", optimizer.clip.forward_started)

@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim.adam import adam as functional_adam
 
 from common import deepspeed_internals as ds_internals
-from common.device import HOST
+from common.device import HOST, device_of
 from hf.muon_matrices import muon_parameters, newton_schulz_flops
 from hf.tables import TensorMap
 from hf.transforms import merge_to_hf, split_from_hf
@@ -165,6 +165,16 @@ class TensorParallelMuon(torch.optim.Optimizer):
             if self.clip is not None and self.clip.factors:
                 self._clip_rows(group)
 
+    @torch.no_grad()
+    def apply_clip(self) -> None:
+        """MuonClip's factors now, outside a step (its passes): each clipped row of what this rank updates (the fp32
+        masters, or the parameters without ZeRO) and, where those are ZeRO's or BF16_Optimizer's copies, of the
+        model's weights."""
+        for group in self.param_groups:
+            self._clip_rows(group)
+        if self.partitions:
+            self.clip.scale_model_rows()
+
     def _clip_rows(self, group: dict[str, Any]) -> None:
         """MuonClip's row factors on what this rank updates of the group: the parameters, or its flat partition."""
         factors = self.clip.factors
@@ -253,41 +263,42 @@ class TensorParallelMuon(torch.optim.Optimizer):
         return split_from_hf(tensor, value, self.model_config, ctx.tensor_parallel_size)[ctx.tensor_parallel_rank]
 
 
-def qk_row_factors(gamma: torch.Tensor, groups: int, queries_per_group: int, head_dim: int) -> torch.Tensor:
-    """Per row of a fused qkv shard ([g, q + 2, d] rows: a group's q query heads, its key head, its value head), the
-    factor that scales query head j's logits by ``gamma[j]`` exactly: the group's key rows by sqrt(min gamma), each
-    query head's by gamma_j / that, the value rows by 1. One query head per group (MHA): sqrt(gamma) on both, Kimi-K2's
-    rule."""
-    gamma = gamma.view(groups, queries_per_group)
-    key = gamma.amin(dim=1, keepdim=True).sqrt()  # (g, 1)
-    per_head = torch.cat([gamma / key, key, torch.ones_like(key)], dim=1)  # (g, q + 2)
-    return per_head.repeat_interleave(head_dim, dim=1).reshape(-1)  # (g (q + 2) d,)
-
-
 class QKClip:
     """MuonClip (Kimi-K2): after each optimizer step, every attention head whose largest pre-softmax logit in the
-    step's forwards passed tau has its logits scaled by gamma = tau / max, through its query and key rows
-    (``qk_row_factors``).
+    step's forwards passed tau has its logits scaled by gamma = tau / max, through its query and key rows (the
+    attention's ``logit_rows``: exact for MHA, GQA and MLA, whose rope key shared by the heads is left alone).
 
-    Each SelfAttention keeps its heads' maxima through the step's training forwards (model/attention.py
-    ``step_logits``, the scores formed a chunk at a time beside the fused kernel); ``before_step``, run just before
-    DeepSpeed's OptimizerStep, all-reduces them (MAX, one vector per stage) over the data-parallel group, turns them
-    into row factors and starts the next step's record. The optimizer multiplies its fp32 masters' rows by them
-    right after its update (the weight in the Muon group, a qkv bias in AdamW's), so ZeRO's gather hands the model the
-    clipped weights."""
+    Each attention keeps its heads' maxima through the step's training forwards (model/attention.py ``step_logits``,
+    the scores formed a chunk at a time beside the fused kernel); ``before_step``, run just before DeepSpeed's
+    OptimizerStep, all-reduces them (MAX, one vector per stage) over the data-parallel group, turns them into row
+    factors and starts the next step's record. The optimizer multiplies its fp32 masters' rows by them right after its
+    update (the weight in the Muon group, a qkv bias in AdamW's), so ZeRO's gather hands the model the clipped
+    weights.
 
-    def __init__(self, tau: float, module: nn.Module, data_parallel_group: Any = None) -> None:
-        from model.attention import SelfAttention
+    The logit is the step's own, before its update, which can move it past tau again (by tens at lr 1.0:
+    tests/test_muon_clip.py). ``passes`` > 0 (optimizer.params.qk_clip_passes) makes the clip hold on the step's
+    batch: ``clip_after_step`` then runs forwards of the step's micro-batches through the updated weights, each
+    attention clipping its own rows (``_clip_in_pass``) before its output goes on, until a pass finds no head above
+    tau."""
 
-        self.tau, self.group = tau, data_parallel_group
-        self.attentions = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    def __init__(self, tau: float, module: nn.Module, data_parallel_group: Any = None, passes: int = 0,
+                 apply: Any = None) -> None:
+        from model.attention import CausalAttention
+
+        self.tau, self.group, self.passes = tau, data_parallel_group, passes
+        self.apply = apply
+        """The optimizer's ``apply_clip``: ``factors`` on its masters' rows and the model's (the passes)."""
+        self.attentions = [m for m in module.modules() if isinstance(m, CausalAttention)]
         self.factors: dict[int, torch.Tensor] = {}
-        """id(parameter) -> its rows' factors, for the coming update."""
+        """id(parameter) -> its rows' factors, for the coming update (or, in a pass, one attention's now)."""
+        self.parameters: dict[int, nn.Parameter] = {}
+        """id(parameter) -> the model's parameter, for each key of ``factors``."""
         self.largest: torch.Tensor | None = None
         """The last step's per-head maxima (this stage's heads, reduced over DP), before clipping: on the device."""
         self.fresh = False
         """The factors are this step's: set by ``before_step``, cleared by the next forward (``forward_started``),
         so that an optimizer step the reduction did not precede fails instead of clipping by stale factors."""
+        self._pass_largest: torch.Tensor | None = None
         self._start_record()
 
     def forward_started(self) -> None:
@@ -295,24 +306,82 @@ class QKClip:
 
     def _start_record(self) -> None:
         for attention in self.attentions:
-            attention.step_logits = torch.full((), float("-inf"), device=attention.qkv.weight.device)
+            attention.step_logits = torch.full((), float("-inf"), device=device_of(attention))
 
     def before_step(self) -> None:
         """Collective over the data-parallel group of this stage."""
         if not self.attentions:
             return
         maxima = torch.cat([a.step_logits.float().expand(a.heads) for a in self.attentions])
-        if self.group is not None and dist.get_world_size(group=self.group) > 1:
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
-        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
-        self.largest, self.factors = maxima, {}
-        for attention, heads in zip(self.attentions, gamma.split([a.heads for a in self.attentions]), strict=True):
-            rows = qk_row_factors(heads, attention.groups, attention.queries_per_group, attention.head_dim)
-            for param in (attention.qkv.weight, attention.qkv.bias):
-                if param is not None:
-                    self.factors[id(param)] = rows
+        self.largest = self._reduce(maxima)
+        self._set_factors(self.attentions, self.largest)
         self._start_record()
         self.fresh = True
+
+    def scale_model_rows(self) -> None:
+        """The factors on the model's own weights (where the optimizer's masters are copies of them)."""
+        for key, factors in self.factors.items():
+            param = self.parameters[key]
+            param.data.mul_(factors.view(-1, *[1] * (param.ndim - 1)))
+
+    def _reduce(self, maxima: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and dist.get_world_size(group=self.group) > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
+        return maxima
+
+    def _set_factors(self, attentions: list[nn.Module], maxima: torch.Tensor) -> None:
+        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
+        self.factors, self.parameters = {}, {}
+        for attention, heads in zip(attentions, gamma.split([a.heads for a in attentions]), strict=True):
+            for param, rows in attention.logit_rows(heads):
+                self.factors[id(param)], self.parameters[id(param)] = rows, param
+
+    def start_pass(self) -> None:
+        self._pass_largest = torch.full((), float("-inf"), device=device_of(self.attentions[0])) \
+            if self.attentions else torch.full((), float("-inf"))
+        for attention in self.attentions:
+            attention.logit_hook = self._clip_in_pass
+
+    def end_pass(self) -> torch.Tensor:
+        """This rank's largest logit of the pass, before its clipping (a device scalar)."""
+        for attention in self.attentions:
+            attention.logit_hook = None
+        self.factors = {}
+        return self._pass_largest
+
+    def _clip_in_pass(self, attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
+                      segment_ids: torch.Tensor | None) -> None:
+        """One attention's heads on one micro-batch, reduced over DP (every replica runs the pass in step): their
+        rows scaled now, by 1 where under tau (exact: no host sync to decide)."""
+        maxima = self._reduce(attention.head_maxima(q, k, segment_ids))
+        self._pass_largest = torch.maximum(self._pass_largest, maxima.amax())
+        self._set_factors([attention], maxima)
+        self.apply()
+
+
+def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
+    """MuonClip's passes (``QKClip``): forwards of the step's ``micro_batches`` (this rank's, as train_batch took
+    them) through the updated weights, each attention clipping its rows before its output goes on, until a pass
+    finds every head at or below tau (to fp32's rounding of the scaled rows, 1e-5) or ``clip.passes`` ran. The last
+    pass's forwards then had no head above tau. Collective over every rank; one host read a pass. Returns the passes
+    run."""
+    for done in range(1, clip.passes + 1):
+        clip.start_pass()
+        try:
+            engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=len(micro_batches))  # as evaluation
+        finally:
+            largest = clip.end_pass()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        if float(largest) <= clip.tau * (1 + PASS_TOLERANCE):
+            return done
+    if dist.get_rank() == 0:
+        print(f"[qk_clip] {clip.passes} passes left a logit of {float(largest):.4g} above tau {clip.tau}: raise "
+              f"optimizer.params.qk_clip_passes, or lower the learning rate", flush=True)
+    return clip.passes
+
+
+PASS_TOLERANCE = 1e-5
+"""A pass whose largest logit is within this of tau clipped nothing but fp32's rounding of rows scaled to tau."""
 
 
 def as_pipeline_layers(model: nn.Module) -> nn.Module:

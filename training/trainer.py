@@ -45,6 +45,7 @@ from training.memory_snapshot import MemoryMonitor
 from training.metrics import detect_peak_tflops, mfu
 from training.metrics_log import MetricsLogger
 from training.moe_monitor import MoEMonitor
+from training.muon import clip_after_step
 from training.noise_scale import NoiseScaleMonitor
 from training.plan_check import open_plan_check
 from training.preference_data import ReferenceModel
@@ -230,12 +231,18 @@ class Trainer:
             objective.mtp_weight = self.config.model.mtp.weight_at(self.state.consumed_tokens)
             objective.take_mtp()
         dpo = self.config.training.dpo is not None  # its SFT term divides by the step's chosen targets
-        if self.config.training.loss_normalization == "tokens" or dpo:  # the step's target count first (collective)
+        clip = getattr(self.engine.module, "qk_clip", None)  # MuonClip's passes after the step take its batches again
+        passes = clip is not None and clip.passes > 0
+        counted = self.config.training.loss_normalization == "tokens" or dpo
+        if passes or counted:
             data = take_micro_batches(loader, self.engine.gradient_accumulation_steps())
+        if counted:  # the step's target count first (collective)
             if self.reference is not None:
                 data = self.reference.fill(data)
             set_step_tokens(objective, data, self.engine.grid.get_data_parallel_group(), self.ctx.data_axis_size,
                             CHOSEN_ROWS if dpo else slice(None))
+        step_batches = data if passes else None
+        if passes or counted:
             data = iter(data)
         self.compile_clock.start()
         try:
@@ -244,6 +251,8 @@ class Trainer:
             self.spike_guard.end_step()  # evaluation, which runs the same loss function, finds the guard inactive
             clear_step_tokens(objective)  # and each micro-batch's own mean
         self.compile_clock.stop(self.engine.gradient_accumulation_steps())
+        if step_batches is not None:  # collective: every rank
+            clip_after_step(self.engine, step_batches, clip)
         traced = self.profiler.after_step(self.state.step + 1)
         if traced is not None:
             print(f"[profile] rank {dist.get_rank()}: steps {self.profiler.config.steps[0]}-{self.state.step + 1} "
