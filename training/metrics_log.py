@@ -22,6 +22,7 @@ CONSOLE_FIELDS = [
     ("skipped_steps", "skipped {}"), ("spikes", "spikes {}"), ("z_loss", "z-loss {:.2e}"),
     ("max_attention_logit", "max logit {:.1f}"), ("log_z_mean", "log Z {:.2f}"),
     ("qk_clip_max_logit", "QK-clip max logit {:.1f}"), ("qk_clipped_heads", "heads clipped {}"),
+    ("qk_clip_passes", "clip passes {}"),
     ("moe_aux_loss", "MoE aux {:.3f}"), ("moe_sequence_aux_loss", "MoE sequence aux {:.3f}"),
     ("moe_load_imbalance", "expert load max/mean {:.2f}"),
     ("samples_per_second", "{:.1f} samples/s"), ("tokens_per_second", "{:,.0f} tokens/s"),

@@ -299,6 +299,8 @@ class QKClip:
         """The factors are this step's: set by ``before_step``, cleared by the next forward (``forward_started``),
         so that an optimizer step the reduction did not precede fails instead of clipping by stale factors."""
         self._pass_largest: torch.Tensor | None = None
+        self.passes_run = 0
+        """The passes ``clip_after_step`` ran after the last step (logged as qk_clip_passes)."""
         self._start_record()
 
     def forward_started(self) -> None:
@@ -372,6 +374,7 @@ def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
         finally:
             largest = clip.end_pass()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        clip.passes_run = done
         if float(largest) <= clip.tau * (1 + PASS_TOLERANCE):
             return done
     if dist.get_rank() == 0:

@@ -10,8 +10,9 @@
                                  >= 2-D, decayed; "vectors": norms, biases)   steps                    {group: ratio}
                                  ||w_after - w_before|| / ||w_before||
     MuonClip (qk_clip set)     the last step's training forwards: its        every logged step        qk_clip_max_logit,
-                                 largest logit before clipping, and the                                 qk_clipped_heads
-                                 heads clipped (training/muon.py QKClip)
+                                 largest logit before clipping, and the                                 qk_clipped_heads,
+                                 heads clipped (training/muon.py QKClip);                               qk_clip_passes
+                                 with qk_clip_passes, the passes it ran
 
 Nothing is read on the host between logs: the values stay on the device until the logged step, where one SUM and one
 MAX all-reduce of a small vector (every rank: ranks that hold none of a value contribute 0 or -inf) bring them to
@@ -130,6 +131,8 @@ class StabilityMonitor:
         fields: dict[str, Any] = {}
         if self.clip is not None and math.isfinite(largest[1]):
             fields["qk_clip_max_logit"], fields["qk_clipped_heads"] = largest[1], round(summed[-1])
+            if self.clip.passes:  # a host count, the same on every rank (clip_after_step)
+                fields["qk_clip_passes"] = self.clip.passes_run
         if micro_batches:
             fields["z_loss"] = z_term / micro_batches
             fields["log_z_mean"] = log_z_sum / tokens
