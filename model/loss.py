@@ -77,7 +77,7 @@ class GPTLoss:
         tokens = self.step_tokens if self.step_tokens is not None else self._micro_batch_tokens(mask)
         cross_entropy = (losses * mask).sum() / tokens
         z_term = self.z_loss * (log_z.square() * mask).sum() / tokens if self.z_loss else None
-        if self.recording:
+        if self.recording and torch.is_grad_enabled():  # the training forwards (not MuonClip's passes after them)
             self._record(cross_entropy, z_term, log_z.detach(), mask)
         objective = cross_entropy if z_term is None else cross_entropy + z_term
         if depth_logits is None or not torch.is_grad_enabled():

@@ -302,20 +302,29 @@ TRAIN_PY_TAU, TRAIN_PY_PASSES = 0.5, 4
 def test_train_py_runs_the_passes_and_the_first_step_holds_on_its_batch(corpus, tmp_path):
     """train.py at TP 2 x PP 2 (4 ranks), Muon at lr 1.0 with qk_clip and qk_clip_passes: the trainer takes each step's
     micro-batches again after it and the log says how many passes it ran. The stability monitor's probe is the run's
-    first micro-batch, part of step 1's batch: after step 1 it sees every block at tau or under."""
+    first micro-batch, part of step 1's batch: after step 1 it sees every block at tau or under (far above it with
+    Kimi-K2's clip alone), and the step's own record (loss, log Z, the clip's maxima) is the same with or without the
+    passes."""
     from tests.launch import run_training
     from training.metrics_log import read_metrics
 
-    save = tmp_path / "checkpoints"
-    result = run_training(corpus, save, max_steps=4, extra=[
-        'optimizer.type="Muon"', f"optimizer.params.qk_clip={TRAIN_PY_TAU}",
-        f"optimizer.params.qk_clip_passes={TRAIN_PY_PASSES}", "schedule.lr=1.0", "schedule.warmup_tokens=0",
-        "training.stability_interval=1", "training.save_interval=0"])
-    records = read_metrics(save / "metrics.jsonl")
+    runs = {}
+    for passes in (TRAIN_PY_PASSES, 0):
+        save = tmp_path / f"passes-{passes}"
+        result = run_training(corpus, save, max_steps=4 if passes else 1, extra=[
+            'optimizer.type="Muon"', f"optimizer.params.qk_clip={TRAIN_PY_TAU}",
+            f"optimizer.params.qk_clip_passes={passes}", "schedule.lr=1.0", "schedule.warmup_tokens=0",
+            "training.stability_interval=1", "training.save_interval=0"])
+        runs[passes] = read_metrics(save / "metrics.jsonl"), result
+    (records, result), ((kimi, *_), _) = runs[TRAIN_PY_PASSES], runs[0]
     print([(r["step"], r["qk_clip_max_logit"], r["qk_clipped_heads"], r["qk_clip_passes"], r["max_attention_logit"])
            for r in records])
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(1 <= r["qk_clip_passes"] <= TRAIN_PY_PASSES for r in records)
     assert max(r["qk_clip_passes"] for r in records) > 1 and max(r["qk_clipped_heads"] for r in records) > 0
     assert records[0]["max_attention_logit"] <= TRAIN_PY_TAU * (1 + 1e-5)
-    assert "clip passes" in result.stdout
+    assert kimi["max_attention_logit"] > 10 * TRAIN_PY_TAU  # Kimi-K2's clip alone, the same step 1
+    assert "qk_clip_passes" not in kimi and "clip passes" in result.stdout
+    # the passes' forwards are not the step's: its loss, log Z and clip record are the same without them
+    for field in ("loss", "log_z_mean", "log_z_min", "qk_clip_max_logit", "qk_clipped_heads", "grad_norm"):
+        assert records[0][field] == pytest.approx(kimi[field], rel=1e-6), field
