@@ -296,6 +296,8 @@ def test_a_step_without_the_steps_reduction_fails_instead_of_clipping_by_stale_f
 
 
 TRAIN_PY_TAU, TRAIN_PY_PASSES = 0.5, 4
+NAN_GUARD = 'training.spike_guard={"enabled": true, "ratio": 100, "min_increase_nats": 100}'
+"""The spike guard skips a non-finite loss; at lr 1.0 the loss climbs by tens a step, which it must not judge."""
 
 
 @pytest.mark.distributed
@@ -304,7 +306,8 @@ def test_train_py_runs_the_passes_and_the_first_step_holds_on_its_batch(corpus, 
     micro-batches again after it and the log says how many passes it ran. The stability monitor's probe is the run's
     first micro-batch, part of step 1's batch: after step 1 it sees every block at tau or under (far above it with
     Kimi-K2's clip alone), and the step's own record (loss, log Z, the clip's maxima) is the same with or without the
-    passes."""
+    passes. Step 2's loss is NaN (a poisoned loss mask) and the spike guard skips its update: no passes run, and the
+    probe reads what it read after step 1."""
     from tests.launch import run_training
     from training.metrics_log import read_metrics
 
@@ -314,17 +317,46 @@ def test_train_py_runs_the_passes_and_the_first_step_holds_on_its_batch(corpus, 
         result = run_training(corpus, save, max_steps=4 if passes else 1, extra=[
             'optimizer.type="Muon"', f"optimizer.params.qk_clip={TRAIN_PY_TAU}",
             f"optimizer.params.qk_clip_passes={passes}", "schedule.lr=1.0", "schedule.warmup_tokens=0",
-            "training.stability_interval=1", "training.save_interval=0"])
+            "training.stability_interval=1", "training.save_interval=0", NAN_GUARD],
+            faults={"poison_steps": [2]} if passes else None)
         runs[passes] = read_metrics(save / "metrics.jsonl"), result
     (records, result), ((kimi, *_), _) = runs[TRAIN_PY_PASSES], runs[0]
     print([(r["step"], r["qk_clip_max_logit"], r["qk_clipped_heads"], r["qk_clip_passes"], r["max_attention_logit"])
            for r in records])
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(1 <= r["qk_clip_passes"] <= TRAIN_PY_PASSES for r in records)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
+    assert [r["qk_clip_passes"] == 0 for r in records] == [False, True, False, False]
+    assert all(r["qk_clip_passes"] <= TRAIN_PY_PASSES for r in records)
     assert max(r["qk_clip_passes"] for r in records) > 1 and max(r["qk_clipped_heads"] for r in records) > 0
     assert records[0]["max_attention_logit"] <= TRAIN_PY_TAU * (1 + 1e-5)
+    assert records[1]["max_attention_logit"] == records[0]["max_attention_logit"]  # the skipped step clipped nothing
     assert kimi["max_attention_logit"] > 10 * TRAIN_PY_TAU  # Kimi-K2's clip alone, the same step 1
     assert "qk_clip_passes" not in kimi and "clip passes" in result.stdout
     # the passes' forwards are not the step's: its loss, log Z and clip record are the same without them
     for field in ("loss", "log_z_mean", "log_z_min", "qk_clip_max_logit", "qk_clipped_heads", "grad_norm"):
         assert records[0][field] == pytest.approx(kimi[field], rel=1e-6), field
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_passes_stop_at_the_rounding_of_their_dtype(dtype):
+    """One process, the passes' loop (clip_after_step's, the forwards eager here): a bf16 model's clipped heads come
+    back from a pass up to bf16's rounding above tau (rows scaled by gamma near 1 round back to themselves), so the
+    stop must allow that rounding, or every step runs every pass. tau a third of the largest logit."""
+    from model.attention import attention_logit_probe
+    from model.gpt import GPT
+    from training.muon import QKClip, pass_tolerance
+
+    model = GPT(model_config(), seed=1).to(dtype)
+    tokens, positions = next(micro_batches(0, 0, 1))[0]
+    with torch.no_grad(), attention_logit_probe(model) as probe:
+        model(tokens, positions)
+    clip = QKClip(float(max(probe.values())) / 3, model)
+    clip.apply = clip.scale_model_rows  # no optimizer here: the model's weights are the only copy
+    assert clip.pass_tolerance == pass_tolerance(dtype) and (clip.pass_tolerance > 1e-3) == (dtype == torch.bfloat16)
+    found = []
+    while len(found) < 6 and (not found or found[-1] > 1 + clip.pass_tolerance):
+        clip.start_pass()
+        with torch.no_grad():
+            model(tokens, positions)
+        found.append(float(clip.end_pass()) / clip.tau)
+    print(f"{dtype}: each pass's largest logit over tau {found}")
+    assert len(found) <= 3 and found[0] > 2.9

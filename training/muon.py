@@ -299,6 +299,11 @@ class QKClip:
         """The factors are this step's: set by ``before_step``, cleared by the next forward (``forward_started``),
         so that an optimizer step the reduction did not precede fails instead of clipping by stale factors."""
         self._pass_largest: torch.Tensor | None = None
+        self.device = device_of(module)
+        weights = [a.dense.weight.dtype for a in self.attentions]
+        self.pass_tolerance = pass_tolerance(weights[0] if weights else torch.float32)
+        """How far above tau a pass may find a head and still stop: fp32's (or bf16's) rounding of rows scaled to
+        tau, not a clip to make."""
         self.passes_run = 0
         """The passes ``clip_after_step`` ran after the last step (logged as qk_clip_passes)."""
         self._start_record()
@@ -331,16 +336,15 @@ class QKClip:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         return maxima
 
-    def _set_factors(self, attentions: list[nn.Module], maxima: torch.Tensor) -> None:
-        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
+    def _set_factors(self, attentions: list[nn.Module], maxima: torch.Tensor, tolerance: float = 0.0) -> None:
+        gamma = torch.where(maxima > self.tau * (1 + tolerance), self.tau / maxima, torch.ones_like(maxima))
         self.factors, self.parameters = {}, {}
         for attention, heads in zip(attentions, gamma.split([a.heads for a in attentions]), strict=True):
             for param, rows in attention.logit_rows(heads):
                 self.factors[id(param)], self.parameters[id(param)] = rows, param
 
     def start_pass(self) -> None:
-        self._pass_largest = torch.full((), float("-inf"), device=device_of(self.attentions[0])) \
-            if self.attentions else torch.full((), float("-inf"))
+        self._pass_largest = torch.full((), float("-inf"), device=self.device)  # a stage without attention too
         for attention in self.attentions:
             attention.logit_hook = self._clip_in_pass
 
@@ -357,14 +361,14 @@ class QKClip:
         rows scaled now, by 1 where under tau (exact: no host sync to decide)."""
         maxima = self._reduce(attention.head_maxima(q, k, segment_ids))
         self._pass_largest = torch.maximum(self._pass_largest, maxima.amax())
-        self._set_factors([attention], maxima)
+        self._set_factors([attention], maxima, self.pass_tolerance)
         self.apply()
 
 
 def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
     """MuonClip's passes (``QKClip``): forwards of the step's ``micro_batches`` (this rank's, as train_batch took
     them) through the updated weights, each attention clipping its rows before its output goes on, until a pass
-    finds every head at or below tau (to fp32's rounding of the scaled rows, 1e-5) or ``clip.passes`` ran. The last
+    finds every head at or below tau (to the rounding of the scaled rows, ``pass_tolerance``) or ``clip.passes`` ran. The last
     pass's forwards then had no head above tau. Collective over every rank; one host read a pass. Returns the passes
     run."""
     for done in range(1, clip.passes + 1):
@@ -375,16 +379,20 @@ def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
             largest = clip.end_pass()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         clip.passes_run = done
-        if float(largest) <= clip.tau * (1 + PASS_TOLERANCE):
+        if float(largest) <= clip.tau * (1 + clip.pass_tolerance):
             return done
     if dist.get_rank() == 0:
-        print(f"[qk_clip] {clip.passes} passes left a logit of {float(largest):.4g} above tau {clip.tau}: raise "
-              f"optimizer.params.qk_clip_passes, or lower the learning rate", flush=True)
+        print(f"[qk_clip] after {clip.passes} passes the last still found a logit of {float(largest):.4g} above tau "
+              f"{clip.tau} (and clipped it; later blocks may still pass tau): raise optimizer.params.qk_clip_passes, "
+              f"or lower the learning rate", flush=True)
     return clip.passes
 
 
-PASS_TOLERANCE = 1e-5
-"""A pass whose largest logit is within this of tau clipped nothing but fp32's rounding of rows scaled to tau."""
+def pass_tolerance(dtype: torch.dtype) -> float:
+    """How far above tau (relative) a pass leaves a head: the rounding of a logit whose query and key rows were scaled
+    to tau in ``dtype``, 4 of its epsilons (bf16: 3.1e-2; fp16: 3.9e-3), and at least 1e-5 (fp32). Scaling such a
+    head again would move bf16 weights by less than their spacing, while the fp32 masters kept shrinking."""
+    return max(1e-5, 4 * torch.finfo(dtype).eps)
 
 
 def as_pipeline_layers(model: nn.Module) -> nn.Module:

@@ -252,7 +252,8 @@ class Trainer:
             clear_step_tokens(objective)  # and each micro-batch's own mean
         self.compile_clock.stop(self.engine.gradient_accumulation_steps())
         if step_batches is not None:  # collective: every rank
-            clip_after_step(self.engine, step_batches, clip)
+            skipped = self.engine.skipped_steps > skipped_before  # the weights are as they were: nothing to clip
+            clip.passes_run = 0 if skipped else clip_after_step(self.engine, step_batches, clip)
         traced = self.profiler.after_step(self.state.step + 1)
         if traced is not None:
             print(f"[profile] rank {dist.get_rank()}: steps {self.profiler.config.steps[0]}-{self.state.step + 1} "
