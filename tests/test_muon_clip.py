@@ -132,7 +132,8 @@ def test_mla_clip_is_kimi_k2s_rule(monkeypatch, overrides):
     assert 0 < int((gamma < 1).sum()) < len(gamma)
     d_n, d_r, d_v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
     with torch.no_grad():
-        query = (theirs.q_b_proj if theirs.q_lora_rank is not None else theirs.q_proj).weight.view(len(gamma), d_n + d_r, -1)
+        projection = theirs.q_b_proj if theirs.q_lora_rank is not None else theirs.q_proj
+        query = projection.weight.view(len(gamma), d_n + d_r, -1)
         query[:, :d_n] *= gamma.sqrt()[:, None, None]
         query[:, d_n:] *= gamma[:, None, None]
         theirs.kv_b_proj.weight.view(len(gamma), d_n + d_v, -1)[:, :d_n] *= gamma.sqrt()[:, None, None]

@@ -182,7 +182,7 @@ class TensorParallelMuon(torch.optim.Optimizer):
         if partition is None:
             for param in group["params"]:
                 if id(param) in factors:
-                    param.mul_(factors[id(param)].view(-1, *[1] * (param.ndim - 1)))
+                    scale_rows(param, factors[id(param)])
             return
         (flat,) = group["params"]
         for param, offset, low, high in partition.overlaps():
@@ -300,12 +300,13 @@ class QKClip:
         so that an optimizer step the reduction did not precede fails instead of clipping by stale factors."""
         self._pass_largest: torch.Tensor | None = None
         self.device = device_of(module)
-        weights = [a.dense.weight.dtype for a in self.attentions]
-        self.pass_tolerance = pass_tolerance(weights[0] if weights else torch.float32)
+        dtype = self.attentions[0].dense.weight.dtype if self.attentions else torch.float32
+        self.pass_tolerance = pass_tolerance(dtype)
         """How far above tau a pass may find a head and still stop: fp32's (or bf16's) rounding of rows scaled to
         tau, not a clip to make."""
         self.passes_run = 0
-        """The passes ``clip_after_step`` ran after the last step (logged as qk_clip_passes)."""
+        """The passes ``clip_after_step`` ran after the last step, 0 after a skipped one (the trainer sets it; logged as
+        qk_clip_passes)."""
         self._start_record()
 
     def forward_started(self) -> None:
@@ -328,8 +329,7 @@ class QKClip:
     def scale_model_rows(self) -> None:
         """The factors on the model's own weights (where the optimizer's masters are copies of them)."""
         for key, factors in self.factors.items():
-            param = self.parameters[key]
-            param.data.mul_(factors.view(-1, *[1] * (param.ndim - 1)))
+            scale_rows(self.parameters[key].data, factors)
 
     def _reduce(self, maxima: torch.Tensor) -> torch.Tensor:
         if self.group is not None and dist.get_world_size(group=self.group) > 1:
@@ -368,9 +368,9 @@ class QKClip:
 def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
     """MuonClip's passes (``QKClip``): forwards of the step's ``micro_batches`` (this rank's, as train_batch took
     them) through the updated weights, each attention clipping its rows before its output goes on, until a pass
-    finds every head at or below tau (to the rounding of the scaled rows, ``pass_tolerance``) or ``clip.passes`` ran. The last
-    pass's forwards then had no head above tau. Collective over every rank; one host read a pass. Returns the passes
-    run."""
+    finds every head at or below tau (to the rounding of the scaled rows, ``pass_tolerance``) or ``clip.passes``
+    ran. The last pass's forwards then had no head above tau. Collective over every rank; one host read a pass.
+    Returns the passes run (the trainer keeps it in ``clip.passes_run`` for the log)."""
     for done in range(1, clip.passes + 1):
         clip.start_pass()
         try:
@@ -378,7 +378,6 @@ def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
         finally:
             largest = clip.end_pass()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        clip.passes_run = done
         if float(largest) <= clip.tau * (1 + clip.pass_tolerance):
             return done
     if dist.get_rank() == 0:
@@ -386,6 +385,11 @@ def clip_after_step(engine: Any, micro_batches: list, clip: QKClip) -> int:
               f"{clip.tau} (and clipped it; later blocks may still pass tau): raise optimizer.params.qk_clip_passes, "
               f"or lower the learning rate", flush=True)
     return clip.passes
+
+
+def scale_rows(tensor: torch.Tensor, rows: torch.Tensor) -> None:
+    """``tensor`` (rows, ...) times one factor per row, in place."""
+    tensor.mul_(rows.view(-1, *[1] * (tensor.ndim - 1)))
 
 
 def pass_tolerance(dtype: torch.dtype) -> float:
